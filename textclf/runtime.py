@@ -1,0 +1,90 @@
+"""The Accelerator for the hardware at hand, and the facts about a run worth recording."""
+
+import os
+import platform
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DistributedType
+
+from .config import InputError, TrainConfig
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    """One Accelerator for every zoo file, on GPUs and on a CPU-only machine alike.
+
+    Without CUDA, a DDP yaml needs `cpu=True` to form a gloo process group (otherwise each rank
+    runs alone), while DeepSpeed needs `cpu=False` and an explicit gloo backend (`cpu=True` would
+    switch DeepSpeed off and silently run plain DDP).
+    """
+    has_cuda = torch.cuda.is_available()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision == "fp16" and not has_cuda:
+        raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); "
+                         "use bf16 or no on this machine")
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    trackers = {"none": None, "all": "all"}.get(cfg.report_to, [cfg.report_to])
+    accelerator = Accelerator(
+        cpu=not has_cuda and not deepspeed,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
+        step_scheduler_with_optimizer=False,
+        log_with=trackers,
+        project_dir=cfg.output_dir,
+        # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
+    )
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
+        # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
+        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
+    return accelerator
+
+
+def zero_stage(accelerator: Accelerator):
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.zero_stage if plugin is not None else None
+
+
+def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
+    """What ran: strategy, scale, precision and versions; logged at start and saved in run.json."""
+    import accelerate
+    import datasets
+    import transformers
+
+    try:
+        import deepspeed
+        deepspeed_version = deepspeed.__version__
+    except ImportError:
+        deepspeed_version = None
+    micro = cfg.per_device_train_batch_size
+    return {
+        "distributed_type": str(accelerator.distributed_type.value),
+        "num_processes": accelerator.num_processes,
+        "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1))),
+        "mixed_precision": accelerator.mixed_precision,
+        "zero_stage": zero_stage(accelerator),
+        "device": str(accelerator.device),
+        "micro_batch_size": micro,
+        "global_batch_size": micro * cfg.gradient_accumulation_steps * accelerator.num_processes,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "accelerate": accelerate.__version__,
+            "transformers": transformers.__version__,
+            "datasets": datasets.__version__,
+            "deepspeed": deepspeed_version,
+        },
+    }
+
+
+def is_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def any_rank(accelerator: Accelerator, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any, so that all ranks act at the same step."""
+    flag = torch.tensor([float(flag)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)

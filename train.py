@@ -1,0 +1,169 @@
+"""Fine-tune a text classifier with Hugging Face Accelerate, from one CPU to many GPUs.
+
+    python train.py                                    # the default job: one process, offline
+    accelerate launch --config_file accelerate_configs/cpu.yaml train.py   # or any file of the zoo
+    python train.py --resume latest                    # continue exactly where it stopped
+    python train.py --help                             # every option (textclf/config.py)
+
+Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model).
+"""
+
+import math
+import os
+import signal
+import sys
+import threading
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
+
+from textclf import checkpoint, tracking
+from textclf.config import InputError, TrainConfig, parse_config
+from textclf.data import fingerprint, load_splits, make_loaders, tokenize
+from textclf.export import export_model
+from textclf.metrics import evaluate_model
+from textclf.modeling import build_model, get_tokenizer
+from textclf.runtime import any_rank, describe, make_accelerator
+
+
+def main(cfg: TrainConfig) -> None:
+    accelerator = make_accelerator(cfg)
+    run = describe(accelerator, cfg)
+    accelerator.print(f"config: {cfg.to_dict()}")
+    accelerator.print(" | ".join(f"{k}: {run[k]}" for k in ("distributed_type", "num_processes", "mixed_precision",
+                                                            "zero_stage", "device", "micro_batch_size",
+                                                            "global_batch_size")))
+    set_seed(cfg.seed)
+
+    # Data and model. Everything the user can get wrong is checked before anything is written.
+    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
+                                                   cfg.eval_split, cfg.seed)
+    data_fingerprint = fingerprint(train_set)
+    with accelerator.local_main_process_first():
+        tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, data_fingerprint, cfg.max_length)
+        train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
+    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length)
+    accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
+                      f"model: {cfg.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+
+    # Where this run starts: step 0, or a checkpoint made by the same kind of run.
+    identity = {"world_size": accelerator.num_processes, "model": cfg.model, "lora": cfg.lora,
+                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                "per_device_train_batch_size": cfg.per_device_train_batch_size, "data_fingerprint": data_fingerprint}
+    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
+    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    if resume_from:
+        position = checkpoint.read_position(resume_from)
+        checkpoint.check_compatible(resume_from, position, identity)
+
+    # Optimizer and schedule, counted in optimizer steps.
+    train_loader, eval_loader = make_loaders(
+        train_set, eval_set, tokenizer, train_batch_size=cfg.per_device_train_batch_size,
+        eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
+        group_by_length=cfg.group_by_length, seed=cfg.seed)
+    batches_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes)  # per process, once sharded
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
+    total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith(no_decay)],
+         "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(no_decay)],
+         "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_epsilon)
+    scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+    if resume_from:
+        try:
+            accelerator.load_state(resume_from)
+        except Exception as e:  # a truncated file, a foreign pickle, a shape mismatch: all mean "bad checkpoint"
+            raise InputError(f"cannot load checkpoint {resume_from}: {str(e).splitlines()[0]}") from None
+        accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
+
+    # From here on the run writes to output_dir.
+    if accelerator.is_main_process:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
+                                                                         "labels": label_names})
+        tracking.keep_log_until(cfg.output_dir, position["step"])
+    accelerator.init_trackers("tensorboard", config=tracking.flat_config(cfg.to_dict()))
+    stop_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+
+    def save(step, epoch, batch_in_epoch, metrics):
+        state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity,
+                 "metrics": metrics, "config": cfg.to_dict()}
+        path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state,
+                                          lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
+        if accelerator.is_main_process and cfg.save_total_limit:
+            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from)
+        return path
+
+    # The loop: one iteration per micro-batch; the work of an optimizer step happens where gradients sync.
+    step = position["step"]
+    start_epoch, skip = position["epoch"], position["batch_in_epoch"]
+    if skip >= batches_per_epoch:  # the checkpoint closed its epoch
+        start_epoch, skip = start_epoch + 1, 0
+    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    window, metrics = tracking.Window(), {}
+    model.train()
+    for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
+        if step >= total_steps:
+            break
+        train_loader.set_epoch(epoch)  # the same shuffle for this epoch as an uninterrupted run
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch_in_epoch, batch in enumerate(batches, start=skip + 1):
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            window.add(loss, batch)
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            progress.update()
+            if step % cfg.logging_steps == 0 or step == total_steps:
+                values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
+                tracking.log(accelerator, cfg.output_dir, step, values)
+                progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
+                window = tracking.Window()
+            metrics = {}
+            if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total_steps:
+                metrics = evaluate_model(model, eval_loader, accelerator)
+                tracking.log(accelerator, cfg.output_dir, step, metrics)
+            stopping = any_rank(accelerator, stop_requested.is_set())
+            if (cfg.save_steps and step % cfg.save_steps == 0) or stopping:
+                path = save(step, epoch, batch_in_epoch, metrics)
+            if stopping:
+                accelerator.print(f"stopped by SIGTERM at step {step}; continue with: --resume {path}")
+                accelerator.end_training()
+                return
+            if step >= total_steps:
+                break
+        skip = 0
+    progress.close()
+
+    metrics = evaluate_model(model, eval_loader, accelerator)
+    tracking.log(accelerator, cfg.output_dir, step, metrics)
+    accelerator.print(f"eval at step {step}: accuracy {metrics['eval_accuracy']:.4f}, "
+                      f"macro-F1 {metrics['eval_f1']:.4f} on {metrics['eval_samples']} examples")
+    model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"))
+    accelerator.print(f"model exported to {model_dir}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_config())
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
