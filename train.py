@@ -95,11 +95,15 @@ def main(cfg: TrainConfig) -> None:
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
+    def describe_model(folder):
+        """What export needs besides the weights: the model's config (with id2label) and tokenizer."""
+        accelerator.unwrap_model(model).config.save_pretrained(folder)
+        tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
+
     def save(step, epoch, batch_in_epoch, metrics):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity,
                  "metrics": metrics, "config": cfg.to_dict()}
-        path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state,
-                                          lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
+        path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
             checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from)
         return path

@@ -1,0 +1,80 @@
+"""Shared test helpers: small real data, and train.py run the way users run it (subprocesses)."""
+
+import csv
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+# No test may reach a hub: the suite proves the template works offline.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+os.environ.update(OFFLINE)
+# A tiny run: a 0.8M-parameter BERT on short texts, a few optimizer steps.
+TINY = ["--model", "scratch-tiny", "--max_length", "32", "--per_device_train_batch_size", "8",
+        "--per_device_eval_batch_size", "16", "--logging_steps", "1", "--report_to", "none"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(args, config_file=None, extra_launch_args=()) -> list[str]:
+    """`python train.py ...`, or `accelerate launch --config_file <zoo file> train.py ...`."""
+    if config_file is None:
+        return [sys.executable, "train.py", *map(str, args)]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+            "--main_process_port", str(free_port()), *extra_launch_args, "train.py", *map(str, args)]
+
+
+def run_train(args, config_file=None, extra_launch_args=(), check=True, timeout=900, env=None):
+    """Run train.py to the end; on failure show its output."""
+    result = subprocess.run(train_command(args, config_file, extra_launch_args), cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout, env={**os.environ, **OFFLINE, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                             f"\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
+def read_log(output_dir) -> list[dict]:
+    with open(Path(output_dir) / "log.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(output_dir) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in read_log(output_dir) if "loss" in row}
+
+
+@pytest.fixture(scope="session")
+def reviews_csv(tmp_path_factory) -> Path:
+    """240 real reviews (120 per label) from the default corpus, texts cut to 60 characters."""
+    from textclf.data import build_default_corpus
+
+    folder = tmp_path_factory.mktemp("data")
+    corpus = folder / "corpus.csv"
+    build_default_corpus(str(corpus))
+    with open(corpus, encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    random.Random(0).shuffle(rows)
+    picked = [r for r in rows if r["label"] == "negative"][:120] + [r for r in rows if r["label"] == "positive"][:120]
+    path = folder / "reviews.csv"
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["label", "review"])
+        writer.writerows((r["label"], r["review"][:60]) for r in picked)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
