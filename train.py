@@ -24,7 +24,7 @@ from textclf.config import InputError, TrainConfig, parse_config
 from textclf.data import fingerprint, load_splits, make_loaders, tokenize
 from textclf.export import export_model
 from textclf.metrics import evaluate_model
-from textclf.modeling import build_model, get_tokenizer
+from textclf.modeling import apply_lora, build_model, get_tokenizer
 from textclf.runtime import any_rank, describe, make_accelerator
 
 
@@ -45,18 +45,21 @@ def main(cfg: TrainConfig) -> None:
         tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, data_fingerprint, cfg.max_length)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
     model = build_model(cfg.model, tokenizer, label_names, cfg.max_length)
+    if cfg.lora:  # before prepare: DDP and DeepSpeed must see which parameters train
+        model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
                       f"model: {cfg.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
     # Where this run starts: step 0, or a checkpoint made by the same kind of run.
-    identity = {"world_size": accelerator.num_processes, "model": cfg.model, "lora": cfg.lora,
+    identity = {"world_size": accelerator.num_processes, "zero_stage": run["zero_stage"], "model": cfg.model,
+                "lora": cfg.lora,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "per_device_train_batch_size": cfg.per_device_train_batch_size, "data_fingerprint": data_fingerprint}
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:
         position = checkpoint.read_position(resume_from)
-        checkpoint.check_compatible(resume_from, position, identity)
+        checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
 
     # Optimizer and schedule, counted in optimizer steps.
     train_loader, eval_loader = make_loaders(

@@ -22,6 +22,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 # What must match between a checkpoint and the run resuming it, and how to say it.
 IDENTITY = {
     "world_size": "number of processes",
+    "zero_stage": "DeepSpeed ZeRO stage",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "per_device_train_batch_size": "per_device_train_batch_size",
     "model": "model",
@@ -83,12 +84,20 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
     return None
 
 
-def check_compatible(checkpoint: str, position: dict, identity: dict) -> None:
-    """Stop when the checkpoint was made by a run that differs in a way resume cannot bridge."""
+def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pickle: bool) -> None:
+    """Stop when the checkpoint was made by a run that differs in a way resume cannot bridge, or
+    when loading it would unpickle arbitrary objects without the user's say-so.
+
+    Accelerate reads its own files (optimizer, scheduler, RNG states) with `weights_only=True` and
+    the model from safetensors; DeepSpeed reads its partition files with full pickle.
+    """
     for key, what in IDENTITY.items():
         if position.get(key) != identity[key]:
             raise InputError(f"cannot resume from {checkpoint}: it was made with {what} = {position.get(key)}, "
                              f"this run has {identity[key]}; resume with the same settings")
+    if position.get("zero_stage") is not None and not allow_pickle:
+        raise InputError(f"{checkpoint} was written by DeepSpeed, whose files load only with full pickle, which "
+                         "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:

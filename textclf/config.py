@@ -170,11 +170,14 @@ def _recipe_args(path: str) -> list[str]:
 def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
     """Defaults < YAML recipe (`--config`) < command line."""
     argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)
     args = (_recipe_args(recipe.config) if recipe.config else []) + rest
-    parser = _Parser(TrainConfig, description="Fine-tune a text classifier with Accelerate.")
+    # No abbreviations: a mistyped key must fail, not silently set another one.
+    parser = _Parser(TrainConfig, allow_abbrev=False,
+                     description="Fine-tune a text classifier with Accelerate. --config recipe.yaml reads "
+                                 "values from a YAML file; flags on the command line win over it.")
     cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     if unknown:
         raise InputError(f"unknown config key(s) {' '.join(unknown)}; see `python train.py --help`")

@@ -78,6 +78,8 @@ def load_table(path: str) -> Dataset:
         try:
             table = datasets.load_dataset(builder, data_files=path, split="train")
         except Exception as e:  # the builders raise many types; all mean "malformed file"
+            if data_lines(path) <= (1 if builder == "csv" else 0):
+                raise InputError(f"data set {path} is empty: no rows") from None
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InputError(f"cannot parse {path} as {builder.upper()}: {reason}") from None
     if len(table) == 0:
@@ -85,14 +87,24 @@ def load_table(path: str) -> Dataset:
     return table
 
 
+def data_lines(path: str) -> int:
+    """Non-blank lines (a CSV header included)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def require_column(table: Dataset, path: str, role: str, column: str) -> None:
+    if column not in table.column_names:
+        raise InputError(
+            f"{path} has no {role} column '{column}'; its columns are: {', '.join(table.column_names)} "
+            f"(choose with --{role}_column)"
+        )
+
+
 def select_columns(table: Dataset, path: str, text_column: str, label_column: str) -> Dataset:
     """Keep the text and label columns as `text` and `label`, with empty texts dropped."""
-    for role, column in (("text", text_column), ("label", label_column)):
-        if column not in table.column_names:
-            raise InputError(
-                f"{path} has no {role} column '{column}'; its columns are: {', '.join(table.column_names)} "
-                f"(choose with --{role}_column)"
-            )
+    require_column(table, path, "text", text_column)
+    require_column(table, path, "label", label_column)
     table = table.select_columns([text_column, label_column])
     table = table.map(
         lambda row: {"text": clean_text(row[text_column]), "label": row[label_column]},
@@ -107,6 +119,13 @@ def select_columns(table: Dataset, path: str, text_column: str, label_column: st
     if len(kept) == 0:
         raise InputError(f"data set {path} is empty: no row has text in column '{text_column}'")
     return kept
+
+
+def read_texts(path: str, text_column: str) -> list[str]:
+    """Every row's text, cleaned, in file order; empty texts kept, so that row i answers row i."""
+    table = load_table(path)
+    require_column(table, path, "text", text_column)
+    return [clean_text(text) for text in table[text_column]]
 
 
 def label_names(train: Dataset) -> list[str]:
@@ -202,9 +221,19 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
         train_loader = DataLoader(train, batch_size=train_batch_size, shuffle=True, collate_fn=collate,
                                   generator=generator)
     # Sorted by length, evaluation pads little; the metrics do not depend on the order.
+    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of)
+    return train_loader, eval_loader
+
+
+def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None) -> DataLoader:
+    """Batches of a tokenized table in order of length, longest first, for evaluation and prediction.
+
+    Little padding, and a batch too big for memory fails at once rather than at the end. The order
+    is not the table's: keep an index column to put results back in input order.
+    """
     with warnings.catch_warnings():  # pyarrow's deprecation inside `datasets`, not ours to fix
         warnings.simplefilter("ignore", FutureWarning)
-        held_out = held_out.sort("length", reverse=True).remove_columns(["length"])
-    eval_loader = DataLoader(held_out, batch_size=eval_batch_size, collate_fn=collate,
-                             generator=torch.Generator().manual_seed(seed))
-    return train_loader, eval_loader
+        table = table.sort("length", reverse=True).remove_columns(["length"])
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    # Its own generator: iterating must not draw from the global RNG (dropout masks, exact resume).
+    return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator())

@@ -1,49 +1,182 @@
-"""Export: a self-contained Hugging Face model folder, written atomically and checked after writing."""
+"""Export: a trained classifier as a self-contained Hugging Face folder, written atomically and verified.
 
+    python -m textclf.export checkpoints/step_500 exported/             # from any step_<N> checkpoint
+    python -m textclf.export checkpoints/step_500 exported/ --merge     # LoRA merged into a plain model
+    python -m textclf.export checkpoints/model merged/ --merge          # or from an exported LoRA folder
+
+Whatever wrote the source (one process, DDP, ZeRO-2 or ZeRO-3), the folder holds safetensors weights,
+a config with id2label, and the tokenizer; with LoRA, the adapter and its base (see modeling.py).
+Before it takes the target's place it is checked: no empty tensor, it reloads, and it predicts what
+the trained model predicts. train.py's export at the end of a run goes through the same `save_verified`.
+"""
+
+import argparse
 import os
 import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
 
+import torch
 from accelerate import Accelerator
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoModelForSequenceClassification
+from transformers.utils import logging as transformers_logging
 
 from .config import InputError
+from .modeling import LORA_BASE, apply_lora, load_trained, load_weights, weight_files
+from .predict import predict_logits
+
+# Texts of several lengths and scripts, so that padding and truncation are part of the check.
+PROBE_TEXTS = [
+    "这家店的菜很好吃，送餐也快，下次还会再点。",
+    "太难吃了，等了两个小时，再也不会买了",
+    "一般",
+    "质量很差，客服态度也不好，等了一个星期才到货，包装还是破的，"
+    "退货流程又麻烦，非常失望，不推荐大家购买。",
+    "Great value, would buy again.",
+    "物流快 👍",
+    "ok",
+    "书的内容不错，但是印刷有错别字。",
+]
 
 
-def export_model(accelerator: Accelerator, model, tokenizer, target: str) -> str:
-    """Collective: every rank calls it (ZeRO-3 gathers the shards).
+def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge: bool = False) -> str:
+    """Export the model being trained. Collective: every rank calls it (ZeRO-3 gathers the shards).
 
     `accelerator.get_state_dict` returns full weights whatever the strategy; plain
-    `unwrap_model(model).save_pretrained` would write empty tensors under ZeRO-3, and
-    `accelerator.save_model` writes no config.json.
+    `unwrap_model(model).save_pretrained` would write empty tensors under ZeRO-3 (LoRA adapters
+    too), and `accelerator.save_model` writes no config.json. The main process loads them into a
+    fresh copy of the model and saves that, as `export_checkpoint` does with a checkpoint's weights.
     """
     state_dict = accelerator.get_state_dict(model)
-    tmp = f"{target}.incomplete"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        verify_weights(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+        with transformers_without_zero3(accelerator):
+            copy = copy_with_weights(accelerator.unwrap_model(model), state_dict)
+            save_verified(copy, tokenizer, target, merge=merge, overwrite=True)
     accelerator.wait_for_everyone()
     return target
 
 
-def weight_files(folder: str) -> list[str]:
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrite: bool = False,
+                      allow_pickle: bool = False) -> str:
+    """Export a step_<N> checkpoint (or re-export a model folder, e.g. to merge its LoRA adapter)."""
+    refuse_existing(target, overwrite)  # before the slow part
+    model, tokenizer = load_trained(source, allow_pickle)
+    return save_verified(model, tokenizer, target, merge=merge, overwrite=overwrite)
+
+
+def copy_with_weights(model, state_dict: dict):
+    """A fresh CPU model of `model`'s architecture, LoRA adapters included, holding `state_dict`."""
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    copy = AutoModelForSequenceClassification.from_config(base.config)
+    if isinstance(model, PeftModel):
+        lora = model.peft_config[model.active_adapter]
+        copy = apply_lora(copy, lora.r, lora.lora_alpha, lora.lora_dropout, lora.target_modules)
+    load_weights(copy, state_dict, "the trained model")
+    return copy.eval()
+
+
+@contextmanager
+def transformers_without_zero3(accelerator: Accelerator):
+    """Under ZeRO-3, transformers builds and loads every model partitioned over the ranks, which takes
+    all of them; the export copy lives on the main process alone, so that is switched off meanwhile."""
+    registered = getattr(accelerator.state.deepspeed_plugin, "dschf", None)  # what accelerate told transformers
+    if registered is None:
+        yield
+        return
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
+
+
+def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwrite: bool = False) -> str:
+    """Write `model` (plain or LoRA, full weights, on CPU) and its tokenizer to `target`, verified.
+
+    The folder is written beside the target and checked before it takes the target's place: every
+    tensor is non-empty, it loads the way predict and report load models, and its logits on
+    PROBE_TEXTS equal the trained model's. `model` is used up: LoRA is merged or unloaded in place.
+    """
+    from peft import PeftModel
+
+    refuse_existing(target, overwrite)
+    expected = predict_logits(model, tokenizer, PROBE_TEXTS)
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.", suffix=".incomplete", dir=parent)
+    try:
+        if isinstance(model, PeftModel) and not merge:
+            model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
+            model.unload().save_pretrained(os.path.join(tmp, LORA_BASE))  # the base they apply to
+        else:
+            if isinstance(model, PeftModel):
+                model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        verify_weights(tmp)
+        reloaded, reloaded_tokenizer = load_trained(tmp)
+        actual = predict_logits(reloaded, reloaded_tokenizer, PROBE_TEXTS)
+        # Merging changes rounding only: 1e-5 is far below any real difference in weights.
+        if not torch.allclose(actual, expected, rtol=1e-4, atol=1e-5):
+            raise InputError(f"export to {target} failed verification: the written model's logits differ from the "
+                             f"trained model's by up to {(actual - expected).abs().max():.2e}")
+        replace_folder(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # already gone when it became the target
+    return target
+
+
+def refuse_existing(target: str, overwrite: bool) -> None:
+    if os.path.exists(target) and not overwrite:
+        raise InputError(f"{target} already exists; choose another target or pass --overwrite to replace it")
+
+
+def replace_folder(new: str, target: str) -> None:
+    """Put `new` at `target`; an old target is moved aside first, so `target` is always whole."""
+    old = f"{new}.old"
+    if os.path.exists(target):
+        os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_weights(folder: str) -> None:
-    """Every saved tensor is non-empty, and the folder has a config to rebuild the model from."""
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise InputError(f"{folder} has no config.json")
-    files = weight_files(folder)
+    """Every tensor saved in the folder (and in its LoRA base) has a size: a ZeRO-3 model saved without
+    gathering writes its parameters as empty placeholders."""
+    files = weight_files(folder) + weight_files(os.path.join(folder, LORA_BASE))
     if not files:
         raise InputError(f"{folder} has no safetensors weights")
-    AutoConfig.from_pretrained(folder)
     for path in files:
         with safe_open(path, framework="pt") as weights:
             for name in weights.keys():
                 if 0 in weights.get_slice(name).get_shape():
                     raise InputError(f"{path}: tensor {name} is empty (a ZeRO-3 shard saved without gathering?)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m textclf.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="a step_<N> checkpoint folder, or a model folder that export wrote")
+    parser.add_argument("target", help="the folder to write (refused if it exists, unless --overwrite)")
+    parser.add_argument("--merge", action="store_true", help="merge LoRA adapters into a plain model")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing target")
+    parser.add_argument("--allow_pickle", action="store_true",
+                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    args = parser.parse_args(argv)
+    transformers_logging.disable_progress_bar()  # one line per export is enough
+    export_checkpoint(args.source, args.target, merge=args.merge, overwrite=args.overwrite,
+                      allow_pickle=args.allow_pickle)
+    print(f"exported {args.source} to {args.target} (verified: weights complete, reloads, same predictions)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

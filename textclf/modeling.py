@@ -1,8 +1,11 @@
-"""Models: the offline default (a BERT built from config), anything `from_pretrained` loads, LoRA."""
+"""Models: the offline default (a BERT built from config), anything `from_pretrained` loads, LoRA,
+and trained models read back from an exported folder or a step_<N> checkpoint."""
 
+import glob
 import os
 
 from transformers import (
+    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
@@ -12,6 +15,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .checkpoint import POSITION, STEP_DIR, read_position
 from .config import InputError
 
 # Sizes of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
@@ -78,3 +82,141 @@ def build_model(model: str, tokenizer, label_names: list[str], max_length: int) 
         return AutoModelForSequenceClassification.from_pretrained(model, ignore_mismatched_sizes=True, **labels)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
+
+
+def apply_lora(model: PreTrainedModel, r: int, alpha: int, dropout: float, target_modules=None):
+    """Wrap `model` for LoRA: adapters on `target_modules`, the classification head trained in full.
+
+    Without target modules, peft picks its default for the model type (query and value for BERT).
+    The head is every top-level module outside the pretrained backbone (BERT's `classifier`,
+    DistilBERT's `pre_classifier` and `classifier`, ...): it starts untrained, so it must learn.
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    head = [name for name, module in model.named_children()
+            if name != model.base_model_prefix and any(True for _ in module.parameters())]
+    # peft's sequence-classification task adds `classifier` and `score` by itself.
+    extra_head = [name for name in head if name not in ("classifier", "score")]
+    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=target_modules, modules_to_save=extra_head or None)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # target modules that the model does not have, or a model type peft does not know
+        raise InputError(f"cannot apply LoRA to {model.config.model_type}: {str(e).splitlines()[0]} "
+                         "(choose modules with --lora_target_modules)") from None
+
+
+# --- Trained models, read back --------------------------------------------------------------------
+# An exported folder is a Hugging Face model folder. With LoRA it holds the adapter (and the trained
+# head) at the top, where peft and `pipeline` look for it, and the base model it applies to in base/:
+# a scratch base exists nowhere else, and the folder must load offline.
+LORA_BASE = "base"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def load_trained(path: str, allow_pickle: bool = False):
+    """(model, tokenizer) from an exported model folder or a step_<N> checkpoint; the model in eval mode.
+
+    `allow_pickle` lets a DeepSpeed checkpoint load: DeepSpeed's files are full pickles, which can
+    run code stored in them.
+    """
+    if not os.path.isdir(path):
+        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
+    if os.path.isfile(os.path.join(path, POSITION)) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+        model, tokenizer = _load_checkpoint(path, allow_pickle)
+    elif glob.glob(os.path.join(path, "*.json")) or weight_files(path):
+        model, tokenizer = _load_folder(path)
+    else:
+        raise InputError(f"{path} is neither a model folder (config.json and weights, as export writes) nor a "
+                         f"step_<N> checkpoint ({POSITION}, as train.py writes)")
+    return model.eval(), tokenizer
+
+
+def weight_files(folder: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "*.safetensors")) + glob.glob(os.path.join(folder, "*.bin")))
+
+
+def require_model_files(folder: str) -> None:
+    """A model folder needs its config and its weights; say which one is missing."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise InputError(f"{folder} is not a complete model folder: it has no config.json")
+    if not weight_files(folder):
+        raise InputError(f"{folder} is not a complete model folder: it has no weights (model.safetensors)")
+
+
+def _load_folder(folder: str):
+    from peft import PeftModel
+
+    lora = os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
+    base_folder = os.path.join(folder, LORA_BASE) if lora else folder
+    require_model_files(base_folder)
+    if lora and not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
+        raise InputError(f"{folder} is not a complete LoRA model folder: it has no {ADAPTER_WEIGHTS}")
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(base_folder, output_loading_info=True)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load a model from {base_folder}: {str(e).splitlines()[0]}") from None
+    # from_pretrained fills missing weights with random ones and only warns: refuse instead.
+    incomplete = info["missing_keys"] or info["mismatched_keys"]
+    if incomplete:
+        raise InputError(f"{base_folder}: weights missing or of the wrong shape for its config: "
+                         f"{', '.join(sorted(map(str, incomplete))[:3])}")
+    if lora:
+        model = PeftModel.from_pretrained(model, folder)
+    return model, _load_tokenizer(folder)
+
+
+def _load_checkpoint(checkpoint: str, allow_pickle: bool):
+    run = read_position(checkpoint).get("config") or {}
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (OSError, ValueError):
+        raise InputError(f"{checkpoint} is not a complete checkpoint: it has no readable config.json") from None
+    model = AutoModelForSequenceClassification.from_config(config)
+    if run.get("lora"):  # the run's own settings rebuild the same adapters
+        model = apply_lora(model, run["lora_r"], run["lora_alpha"], run["lora_dropout"], run["lora_target_modules"])
+    load_weights(model, checkpoint_weights(checkpoint, allow_pickle), checkpoint)
+    return model, _load_tokenizer(os.path.join(checkpoint, "tokenizer"))
+
+
+def checkpoint_weights(checkpoint: str, allow_pickle: bool) -> dict:
+    """The full weights in a step_<N> checkpoint, whichever strategy wrote it."""
+    single = os.path.join(checkpoint, "model.safetensors")
+    if os.path.isfile(single):  # one process or DDP: accelerate's save_state writes the whole model
+        from safetensors.torch import load_file
+
+        return load_file(single)
+    if os.path.isfile(os.path.join(checkpoint, "latest")):  # DeepSpeed: shards per rank, under the tag in `latest`
+        if not allow_pickle:
+            raise InputError(f"{checkpoint} was written by DeepSpeed, whose files load only as full pickles, which "
+                             "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
+        # DeepSpeed's own consolidation (what the zero_to_fp32.py beside the shards runs): fp32 master
+        # weights of ZeRO-1/2/3, frozen parameters included.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(checkpoint)
+    raise InputError(f"{checkpoint} is not a complete checkpoint: it holds no model weights (model.safetensors, "
+                     "or DeepSpeed's shards and their `latest` file)")
+
+
+def load_weights(model, state_dict: dict, source: str) -> None:
+    """Load a full state dict, refusing missing, extra or misshapen tensors (a random weight would pass silently)."""
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    consume_prefix_in_state_dict_if_present(state_dict, "module.")  # saved while wrapped by DDP
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # shapes that do not fit the config
+        raise InputError(f"the weights in {source} do not fit its config: {str(e).splitlines()[1].strip()}") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(f"the weights in {source} do not fit its config: {len(result.missing_keys)} tensor(s) "
+                         f"missing {result.missing_keys[:3]}, {len(result.unexpected_keys)} unexpected "
+                         f"{result.unexpected_keys[:3]}")
+
+
+def _load_tokenizer(folder: str):
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:
+        raise InputError(f"cannot load the tokenizer saved in {folder}: {str(e).splitlines()[0]}") from None

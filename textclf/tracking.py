@@ -28,11 +28,15 @@ def keep_log_until(output_dir: str, step: int) -> None:
 
 
 def log(accelerator: Accelerator, output_dir: str, step: int, values: dict) -> None:
-    """One line in log.jsonl, one point per value in the trackers (main process only)."""
+    """One line in log.jsonl, one point per value in the trackers (main process only).
+
+    Each line carries its wall-clock `time` (Unix seconds): the benchmark times steps from it,
+    evaluation and checkpoints included or left out as it chooses.
+    """
     accelerator.log(values, step=step)
     if accelerator.is_main_process:
         with open(os.path.join(output_dir, LOG), "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+            f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
 
 
 class Window:

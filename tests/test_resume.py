@@ -1,0 +1,281 @@
+"""Exact resume: a resumed run reproduces the uninterrupted one bit for bit, however it was stopped.
+
+Losses are compared from log.jsonl (`--logging_steps 1`), weights from the exported safetensors.
+"""
+
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from conftest import OFFLINE, REPO, TINY, losses, read_log, run_train, train_command
+
+CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
+
+
+def weights(output_dir) -> dict:
+    return load_file(os.path.join(output_dir, "model", "model.safetensors"))
+
+
+def assert_same_run(uninterrupted, resumed, from_step):
+    expected, got = losses(uninterrupted), losses(resumed)
+    later = [step for step in expected if step > from_step]
+    assert later and all(step in got for step in later), f"resumed run logged {sorted(got)}"
+    different = [(step, expected[step], got[step]) for step in later if expected[step] != got[step]]
+    assert not different, f"losses differ after resume (step, uninterrupted, resumed): {different[:5]}"
+    reference, final = weights(uninterrupted), weights(resumed)
+    assert reference.keys() == final.keys()
+    assert all(reference[name].equal(final[name]) for name in reference), "final weights differ"
+
+
+@pytest.fixture(scope="module")
+def args(reviews_csv, cache_dir):
+    # 216 training examples, micro-batches of 8.
+    return [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir]
+
+
+@pytest.mark.slow
+def test_one_process_resume_is_bitwise_exact(tmp_path, args):
+    run = [*args, "--max_steps", 40, "--save_steps", 10]
+    run_train([*run, "--output_dir", tmp_path / "full"])
+    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_20"])
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", 20)
+
+
+@pytest.fixture(scope="module")
+def two_process_ga3(tmp_path_factory, args):
+    """2 processes, GA 3: 14 micro-batches per process and epoch, so 5 optimizer steps per epoch.
+
+    Checkpoints at every step give both an epoch boundary (step 5) and mid-epoch points; the eval
+    set (24) is not a multiple of its batch (7), and an evaluation (every 3 steps) precedes some.
+    """
+    out = tmp_path_factory.mktemp("ga3")
+    run = [*args, "--gradient_accumulation_steps", 3, "--max_steps", 12, "--eval_steps", 3,
+           "--per_device_eval_batch_size", 7]
+    run_train([*run, "--save_steps", 1, "--output_dir", out], config_file=CPU_YAML)
+    return out, run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [5, 6, 7], ids=["epoch-boundary", "after-mid-epoch-eval", "mid-epoch"])
+def test_two_processes_with_accumulation_resume_exactly(tmp_path, two_process_ga3, step):
+    full, run = two_process_ga3
+    position = json.loads((full / f"step_{step}" / "position.json").read_text())
+    assert (position["epoch"], position["batch_in_epoch"]) == {5: (0, 14), 6: (1, 3), 7: (1, 6)}[step]
+    run_train([*run, "--output_dir", tmp_path, "--resume", full / f"step_{step}"], config_file=CPU_YAML)
+    assert_same_run(full, tmp_path, step)
+    evals = [row for row in read_log(tmp_path) if "eval_accuracy" in row]
+    assert evals and all(row["eval_samples"] == 24 for row in evals)
+
+
+@pytest.mark.slow
+def test_length_grouping_off_resumes_exactly_too(tmp_path, args):
+    run = [*args, "--no_group_by_length", "--max_steps", 20, "--save_steps", 10]
+    run_train([*run, "--output_dir", tmp_path / "full"], config_file=CPU_YAML)
+    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_10"],
+              config_file=CPU_YAML)
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", 10)
+
+
+def wait_for(condition, process, timeout=300, poll=0.002):
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, "training ended before the moment to stop it"
+        assert time.time() < deadline, "timed out waiting for the moment to stop training"
+        time.sleep(poll)
+
+
+def start(args, output_dir):
+    return subprocess.Popen(train_command([*args, "--output_dir", output_dir], CPU_YAML), cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **OFFLINE}, text=True)
+
+
+@pytest.fixture(scope="module")
+def kill_run(tmp_path_factory, args):
+    """30 steps over 2+ epochs, a checkpoint every 3: the uninterrupted reference."""
+    run = [*args, "--max_steps", 30, "--save_steps", 3, "--eval_steps", 9]
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_train([*run, "--output_dir", out], config_file=CPU_YAML)
+    return out, run
+
+
+def first_checkpoint_exists(out):
+    return lambda: (out / "step_3" / "position.json").exists()
+
+
+def saving(out):
+    return lambda: any(name.startswith(".incomplete_step_") for name in os.listdir(out)) if out.exists() else False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["after-first-checkpoint", "random-later", "during-a-save"])
+def test_sigkill_at_any_moment_then_resume_latest_finishes_the_same_run(tmp_path, kill_run, moment):
+    full, run = kill_run
+    out = tmp_path / "killed"
+    process = start(run, out)
+    wait_for(first_checkpoint_exists(out), process)
+    if moment == "random-later":
+        time.sleep(random.Random(os.getpid()).uniform(0.5, 4.0))
+    if moment == "during-a-save":
+        wait_for(saving(out), process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    if moment == "during-a-save":
+        assert saving(out)(), "the kill should have landed inside a save"
+    run_train([*run, "--output_dir", out, "--resume", "latest"], config_file=CPU_YAML)
+    assert_same_run(full, out, 0)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tmp_path, kill_run):
+    full, run = kill_run
+    out = tmp_path / "preempted"
+    process = start(run, out)
+    wait_for(first_checkpoint_exists(out), process)
+    workers = [p for p in psutil.Process(process.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
+    rank_1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    rank_1.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    last = max(losses(out))
+    assert f"stopped by SIGTERM at step {last}; continue with: --resume {out / f'step_{last}'}" in stdout
+    assert (out / f"step_{last}" / "position.json").exists() and last < 30
+    assert not (out / "model").exists()
+    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", out / f"step_{last}"], config_file=CPU_YAML)
+    assert_same_run(full, tmp_path / "resumed", last)
+
+
+@pytest.mark.slow
+def test_rotation_keeps_the_newest_and_the_best_and_resume_from_the_best_works(tmp_path, args):
+    out = tmp_path / "rotated"
+    run = [*args, "--max_steps", 12, "--save_steps", 2, "--eval_steps", 2, "--save_total_limit", 2,
+           "--metric_for_best_model", "eval_accuracy"]
+    run_train([*run, "--output_dir", out])
+    evals = {row["step"]: row["eval_accuracy"] for row in read_log(out) if "eval_accuracy" in row and row["step"] < 12}
+    best = max(evals, key=lambda step: (evals[step], step))
+    kept = sorted(int(name.split("_")[1]) for name in os.listdir(out) if name.startswith("step_"))
+    assert kept == sorted({10, 12, best})  # step 12 is evaluated after its save, by the final evaluation
+    run_train([*run, "--max_steps", 14, "--output_dir", tmp_path / "from-best", "--resume", out / f"step_{best}"])
+
+
+def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_path):
+    from textclf.checkpoint import rotate
+
+    for step, f1 in [(10, 0.9), (20, 0.5), (30, 0.6), (40, 0.7), (50, 0.4)]:
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "position.json").write_text(json.dumps({"metrics": {"eval_f1": f1}}))
+    (tmp_path / ".incomplete_step_60").mkdir()
+    rotate(str(tmp_path), keep=2, metric="eval_f1", protect=str(tmp_path / "step_20"))
+    assert sorted(os.listdir(tmp_path)) == [".incomplete_step_60", "step_10", "step_20", "step_40", "step_50"]
+
+
+def test_latest_never_picks_an_incomplete_checkpoint(tmp_path):
+    from textclf.checkpoint import find_resume_checkpoint
+
+    (tmp_path / "step_10").mkdir()
+    (tmp_path / "step_10" / "position.json").write_text("{}")
+    (tmp_path / "step_20").mkdir()  # no position.json: not complete
+    (tmp_path / ".incomplete_step_30").mkdir()
+    assert find_resume_checkpoint("latest", str(tmp_path), False) == str(tmp_path / "step_10")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_run(tmp_path_factory, args):
+    out = tmp_path_factory.mktemp("source")
+    run_train([*args, "--max_steps", 4, "--save_steps", 2, "--output_dir", out])
+    return out
+
+
+def corrupt_copy(source, target, edit):
+    shutil.copytree(source, target)
+    edit(target)
+    return target
+
+
+def truncate_optimizer(folder):
+    path = folder / "optimizer.bin"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def set_position(**changes):
+    def edit(folder):
+        position = json.loads((folder / "position.json").read_text())
+        (folder / "position.json").write_text(json.dumps({**position, **changes}))
+    return edit
+
+
+BAD_RESUMES = {
+    "path that does not exist": (lambda src, tmp: tmp / "nowhere", [], "checkpoint not found"),
+    "folder that is not a checkpoint": (lambda src, tmp: tmp, [], "is not a complete checkpoint"),
+    "truncated file": (lambda src, tmp: corrupt_copy(src, tmp / "c", truncate_optimizer), [],
+                       "cannot load checkpoint"),
+    "another model": (lambda src, tmp: src, ["--model", "scratch-mini"], "made with model = scratch-tiny"),
+    "other data": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(data_fingerprint="0" * 16)), [],
+                   "made with training data = 0000000000000000"),
+    "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
+                             "made with gradient_accumulation_steps = 1, this run has 2"),
+    "changed world size": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(world_size=2)), [],
+                           "made with number of processes = 2, this run has 1"),
+    "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
+                         "made with DeepSpeed ZeRO stage = 2, this run has None"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD_RESUMES)
+def test_bad_resume_is_one_clear_line_and_trains_nothing(case, tmp_path, args, checkpoint_run):
+    make_checkpoint, extra, message = BAD_RESUMES[case]
+    out = tmp_path / "out"
+    checkpoint = make_checkpoint(checkpoint_run / "step_2", tmp_path)
+    result = run_train([*args, "--max_steps", 4, "--output_dir", out, "--resume", checkpoint, *extra], check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_resume_latest_without_checkpoints_says_so_and_trains_nothing(tmp_path, args):
+    result = run_train([*args, "--output_dir", tmp_path / "empty", "--resume", "latest"], check=False)
+    assert result.returncode == 2
+    assert "--resume latest: no complete checkpoint in" in result.stderr
+    assert "drop --resume to start a fresh run" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_fresh_run_refuses_a_folder_that_holds_checkpoints(args, checkpoint_run):
+    result = run_train([*args, "--max_steps", 4, "--output_dir", checkpoint_run], check=False)
+    assert result.returncode == 2
+    assert "already holds checkpoints" in result.stderr and "--resume latest" in result.stderr
+
+
+class RunsCode:
+    """Unpickling this creates a marker file: what a malicious checkpoint would do instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.slow
+def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, args, checkpoint_run):
+    marker = tmp_path / "code-ran"
+    checkpoint = shutil.copytree(checkpoint_run / "step_2", tmp_path / "poisoned")
+    for name in ("random_states_0.pkl", "optimizer.bin"):
+        with open(checkpoint / name, "wb") as f:
+            pickle.dump(RunsCode(str(marker)), f)
+    result = run_train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
+                       check=False)
+    assert result.returncode == 2 and "cannot load checkpoint" in result.stderr
+    assert not marker.exists()

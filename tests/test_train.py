@@ -1,0 +1,182 @@
+"""train.py end to end: the output contract, two processes, real data, local models, bad input."""
+
+import csv
+import json
+import os
+
+import pytest
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, \
+    BertForSequenceClassification, pipeline
+
+from conftest import REPO, SHARED_DATA, TINY, read_log, run_train
+
+CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, reviews_csv, cache_dir):
+    """A 2-process DDP run on cpu.yaml; an eval batch (5) that does not divide the eval set (24)."""
+    out = tmp_path_factory.mktemp("ddp")
+    result = run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
+                        "--max_steps", 6, "--eval_steps", 3, "--save_steps", 3, "--warmup_ratio", 0.5,
+                        "--per_device_eval_batch_size", 5, "--report_to", "tensorboard"], config_file=CPU_YAML)
+    return out, result
+
+
+@pytest.mark.slow
+def test_two_processes_really_ran_and_said_so(two_process_run):
+    out, result = two_process_run
+    assert "distributed_type: MULTI_CPU | num_processes: 2" in result.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["num_processes"] == 2 and run["distributed_type"] == "MULTI_CPU"
+    assert run["global_batch_size"] == 2 * 8
+    assert run["config"]["max_steps"] == 6
+    assert set(run["versions"]) >= {"torch", "accelerate", "transformers", "datasets", "deepspeed"}
+
+
+@pytest.mark.slow
+def test_log_has_every_step_and_each_evaluation_counts_the_whole_eval_set(two_process_run):
+    out, _ = two_process_run
+    log = read_log(out)
+    train_rows = [row for row in log if "loss" in row]
+    assert [row["step"] for row in train_rows] == [1, 2, 3, 4, 5, 6]
+    evals = [row for row in log if "eval_accuracy" in row]
+    assert [row["step"] for row in evals] == [3, 6]
+    # 240 rows, 10% held out: 24, evaluated on 2 processes in batches of 5 (padded by the sampler).
+    assert all(row["eval_samples"] == 24 for row in evals)
+    assert all(0 <= row["eval_accuracy"] <= 1 and 0 <= row["eval_f1"] <= 1 for row in evals)
+
+
+@pytest.mark.slow
+def test_schedule_warms_up_then_reaches_zero_exactly_at_the_last_optimizer_step(two_process_run):
+    out, _ = two_process_run
+    lrs = [row["lr"] for row in read_log(out) if "lr" in row]
+    peak = 5e-4
+    # warmup_ratio 0.5 of 6 steps: 3 warmup steps, then linear decay to 0 at step 6.
+    assert lrs == pytest.approx([peak / 3, 2 * peak / 3, peak, 2 * peak / 3, peak / 3, 0.0])
+
+
+@pytest.mark.slow
+def test_exported_model_loads_with_label_names_and_checkpoints_are_complete(two_process_run):
+    out, _ = two_process_run
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    classify = pipeline("text-classification", model=str(out / "model"))
+    assert classify("质量很好，非常满意")[0]["label"] in {"negative", "positive"}
+    for step in (3, 6):
+        position = json.loads((out / f"step_{step}" / "position.json").read_text())
+        assert position["step"] == step and position["world_size"] == 2
+    assert not [p for p in os.listdir(out) if "incomplete" in p]
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_loss_lr_and_eval_scalars(two_process_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = two_process_run
+    event_dirs = {root for root, _, files in os.walk(out / "tensorboard") if any("tfevents" in f for f in files)}
+    tags = set()
+    for folder in event_dirs:
+        events = EventAccumulator(folder)
+        events.Reload()
+        tags |= set(events.Tags()["scalars"])
+    assert {"loss", "lr", "eval_accuracy", "eval_f1"} <= tags
+
+
+@pytest.mark.slow
+def test_ten_chinese_categories_from_the_shared_data(tmp_path, cache_dir):
+    out = tmp_path / "cats"
+    run_train([*TINY, "--data", SHARED_DATA / "online_shopping_10_cats.csv", "--label_column", "cat",
+               "--cache_dir", cache_dir, "--output_dir", out, "--max_steps", 3, "--save_steps", 100,
+               "--per_device_eval_batch_size", 256])
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    names = set(model.config.id2label.values())
+    assert len(names) == 10 and {"书籍", "平板", "手机", "水果", "洗发水"} <= names
+    classify = pipeline("text-classification", model=str(out / "model"))
+    assert classify("这本书的内容很精彩")[0]["label"] in names
+
+
+@pytest.mark.slow
+def test_a_local_model_folder_loads_through_from_pretrained(tmp_path, reviews_csv, cache_dir):
+    """The real loading path (`--model <folder>`) on a model this test saves itself."""
+    source = tmp_path / "tiny-bert"
+    tokenizer = AutoTokenizer.from_pretrained(_saved_scratch_tokenizer(tmp_path, reviews_csv))
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=3)  # 3 labels: loading must resize the head to 2
+    BertForSequenceClassification(config).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "out"
+    run_train(["--model", source, "--data", reviews_csv, "--output_dir", out, "--max_steps", 2,
+               "--max_length", 32, "--report_to", "none", "--save_steps", 100])
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    assert model.config.hidden_size == 32 and model.config.id2label == {0: "negative", 1: "positive"}
+
+
+def _saved_scratch_tokenizer(tmp_path, reviews_csv):
+    from textclf.modeling import train_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    with open(reviews_csv, encoding="utf-8") as f:
+        train_tokenizer([row["review"] for row in csv.DictReader(f)], str(folder))
+    return folder
+
+
+def _write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+BAD_INPUTS = {
+    "missing file": (lambda d: ["--data", d / "nope.csv"], "data not found: "),
+    "missing text column": (lambda d: ["--data", _write(d / "t.csv", "label,comment\n1,好\n0,差\n")],
+                            "has no text column 'review'; its columns are: label, comment"),
+    "missing label column": (lambda d: ["--data", _write(d / "l.csv", "review,stars\n好,5\n差,1\n")],
+                             "has no label column 'label'; its columns are: review, stars"),
+    "empty data set": (lambda d: ["--data", _write(d / "e.csv", "label,review\n")], "is empty"),
+    "unseen eval label": (lambda d: ["--data", _write(d / "tr.csv", "label,review\n1,好\n0,差\n1,棒\n0,烂\n"),
+                                     "--eval_data", _write(d / "ev.csv", "label,review\n2,一般\n")],
+                          "has label(s) 2 not seen in the training data (known: 0, 1)"),
+    "malformed json lines": (lambda d: ["--data", _write(d / "m.jsonl", '{"review": "好", "label": 1}\n{oops\n')],
+                             "cannot parse"),
+    "unknown config key": (lambda d: ["--batch_size", "8"], "unknown config key(s) --batch_size"),
+    "zero batch size": (lambda d: ["--per_device_train_batch_size", "0"],
+                        "per_device_train_batch_size must be a positive integer, got 0"),
+    "negative batch size": (lambda d: ["--per_device_eval_batch_size", "-1"],
+                            "per_device_eval_batch_size must be a positive integer, got -1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_clear_line_and_writes_nothing(case, tmp_path, cache_dir):
+    make_args, message = BAD_INPUTS[case]
+    out = tmp_path / "out"
+    result = run_train([*TINY, "--cache_dir", cache_dir, "--output_dir", out, *make_args(tmp_path)], check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, capsys):
+    from textclf.data import load_splits
+
+    rows = "label,review\n" + "".join(f"{i % 2},\ufeff评论{i}\n" for i in range(40)) + "1,\n0,   \n"
+    train, held_out, names = load_splits(str(_write(tmp_path / "d.csv", rows)), None, "review", "label", 0.1, 0)
+    assert len(train) + len(held_out) == 40 and names == ["0", "1"]
+    assert not any(text.startswith("\ufeff") for text in train["text"])
+    assert capsys.readouterr().out.count("warning: dropped 2 row(s) with empty text") == 1
+
+
+def test_tokenization_is_cached_between_runs(tmp_path, reviews_csv):
+    from transformers import BertTokenizerFast
+
+    from textclf.data import load_splits, tokenize
+    from textclf.modeling import train_tokenizer
+
+    train, _, _ = load_splits(str(reviews_csv), None, "review", "label", 0.1, 0)
+    train_tokenizer(train["text"], str(tmp_path / "tok"))
+    # Each run loads its own tokenizer object from the cached folder.
+    first = tokenize(train, BertTokenizerFast.from_pretrained(tmp_path / "tok"), 32)
+    again = tokenize(train, BertTokenizerFast.from_pretrained(tmp_path / "tok"), 32)
+    assert first.cache_files and first.cache_files == again.cache_files
