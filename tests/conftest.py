@@ -46,6 +46,21 @@ def run_train(args, config_file=None, extra_launch_args=(), check=True, timeout=
     return result
 
 
+def run_module(module, args, config_file=None, check=True, timeout=900, env=None):
+    """`python -m <module> ...` (export, predict, report), or under `accelerate launch --config_file ...`.
+
+    With check=False the result comes back whatever the exit code, for the tests of bad input.
+    """
+    launch = [] if config_file is None else ["-m", "accelerate.commands.launch", "--config_file", str(config_file),
+                                             "--main_process_port", str(free_port())]
+    result = subprocess.run([sys.executable, *launch, "-m", module, *map(str, args)], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout, env={**os.environ, **OFFLINE, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"{module} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                             f"\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
 def read_log(output_dir) -> list[dict]:
     with open(Path(output_dir) / "log.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -78,3 +93,24 @@ def reviews_csv(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, reviews_csv) -> Path:
+    """An exported model folder made in a second, without training: an untrained 1-layer BERT with the
+    reviews' labels and a tokenizer learnt from them, written by export's own `save_verified`."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    from textclf.export import save_verified
+    from textclf.modeling import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_model")
+    with open(reviews_csv, encoding="utf-8") as f:
+        train_tokenizer([row["review"] for row in csv.DictReader(f)], str(folder / "tokenizer"))
+    tokenizer = BertTokenizerFast.from_pretrained(folder / "tokenizer", model_max_length=32)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, id2label={0: "negative", 1: "positive"},
+                        label2id={"negative": 0, "positive": 1})
+    torch.manual_seed(0)
+    return Path(save_verified(BertForSequenceClassification(config), tokenizer, str(folder / "model")))

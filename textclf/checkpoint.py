@@ -108,6 +108,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:
         save_extra(tmp)
         write_json(os.path.join(tmp, POSITION), position)

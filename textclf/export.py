@@ -4,7 +4,7 @@
     python -m textclf.export checkpoints/step_500 exported/ --merge     # LoRA merged into a plain model
     python -m textclf.export checkpoints/model merged/ --merge          # or from an exported LoRA folder
 
-Whatever wrote the source (one process, DDP, ZeRO-2 or ZeRO-3), the folder holds safetensors weights,
+Whatever wrote the source (one process, DDP, ZeRO-2/3, FSDP), the folder holds safetensors weights,
 a config with id2label, and the tokenizer; with LoRA, the adapter and its base (see modeling.py).
 Before it takes the target's place it is checked: no empty tensor, it reloads, and it predicts what
 the trained model predicts. train.py's export at the end of a run goes through the same `save_verified`.
@@ -14,7 +14,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 
 import torch
@@ -107,9 +106,9 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
 
     refuse_existing(target, overwrite)
     expected = predict_logits(model, tokenizer, PROBE_TEXTS)
-    parent = os.path.dirname(os.path.abspath(target))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.", suffix=".incomplete", dir=parent)
+    parent, name = os.path.split(os.path.abspath(target))
+    tmp = os.path.join(parent, f".{name}.incomplete")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
     try:
         if isinstance(model, PeftModel) and not merge:
             model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
@@ -138,8 +137,9 @@ def refuse_existing(target: str, overwrite: bool) -> None:
 
 
 def replace_folder(new: str, target: str) -> None:
-    """Put `new` at `target`; an old target is moved aside first, so `target` is always whole."""
+    """Put `new` at `target`; an old target is only deleted once the new one is in its place."""
     old = f"{new}.old"
+    shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(target):
         os.rename(target, old)
     os.rename(new, target)

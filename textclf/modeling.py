@@ -3,7 +3,10 @@ and trained models read back from an exported folder or a step_<N> checkpoint.""
 
 import glob
 import os
+import tempfile
 
+import torch
+from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -134,14 +137,15 @@ def load_trained(path: str, allow_pickle: bool = False):
 
 
 def weight_files(folder: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(folder, "*.safetensors")) + glob.glob(os.path.join(folder, "*.bin")))
+    """The safetensors files of a model folder (export writes nothing else)."""
+    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
 
 
 def require_model_files(folder: str) -> None:
     """A model folder needs its config and its weights; say which one is missing."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise InputError(f"{folder} is not a complete model folder: it has no config.json")
-    if not weight_files(folder):
+    if not weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
         raise InputError(f"{folder} is not a complete model folder: it has no weights (model.safetensors)")
 
 
@@ -182,22 +186,35 @@ def _load_checkpoint(checkpoint: str, allow_pickle: bool):
 
 def checkpoint_weights(checkpoint: str, allow_pickle: bool) -> dict:
     """The full weights in a step_<N> checkpoint, whichever strategy wrote it."""
-    single = os.path.join(checkpoint, "model.safetensors")
-    if os.path.isfile(single):  # one process or DDP: accelerate's save_state writes the whole model
-        from safetensors.torch import load_file
 
-        return load_file(single)
-    if os.path.isfile(os.path.join(checkpoint, "latest")):  # DeepSpeed: shards per rank, under the tag in `latest`
+    def needs_pickle(why: str) -> None:
         if not allow_pickle:
-            raise InputError(f"{checkpoint} was written by DeepSpeed, whose files load only as full pickles, which "
-                             "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
-        # DeepSpeed's own consolidation (what the zero_to_fp32.py beside the shards runs): fp32 master
-        # weights of ZeRO-1/2/3, frozen parameters included.
+            raise InputError(f"loading {checkpoint} takes full pickle ({why}), which can run code stored in its "
+                             "files; pass --allow_pickle if you trust this checkpoint")
+
+    path = os.path.join(checkpoint, "model.safetensors")
+    if os.path.isfile(path):  # one process or DDP: accelerate's save_state writes the whole model
+        return load_file(path)
+    if os.path.isfile(os.path.join(checkpoint, "latest")):  # DeepSpeed: shards per rank, under the tag in `latest`
+        needs_pickle("DeepSpeed's shards are pickles")
+        # DeepSpeed's own consolidation (what the zero_to_fp32.py beside the shards runs): the fp32
+        # master weights of ZeRO-1/2/3, frozen parameters included.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(checkpoint)
+    path = os.path.join(checkpoint, "pytorch_model_fsdp_0")
+    if os.path.isdir(path):  # FSDP with SHARDED_STATE_DICT: a torch.distributed.checkpoint folder
+        needs_pickle("the metadata of FSDP's distributed checkpoint is a pickle")
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:  # torch's own consolidation, on one process
+            dcp_to_torch_save(path, os.path.join(tmp, "model.pt"))
+            return torch.load(os.path.join(tmp, "model.pt"), weights_only=True)["model"]
+    path = os.path.join(checkpoint, "pytorch_model_fsdp.bin")
+    if os.path.isfile(path):  # FSDP with FULL_STATE_DICT: plain tensors, which torch loads without pickle
+        return torch.load(path, map_location="cpu", weights_only=True)
     raise InputError(f"{checkpoint} is not a complete checkpoint: it holds no model weights (model.safetensors, "
-                     "or DeepSpeed's shards and their `latest` file)")
+                     "DeepSpeed's shards and their `latest` file, or FSDP's pytorch_model_fsdp*)")
 
 
 def load_weights(model, state_dict: dict, source: str) -> None:
@@ -208,7 +225,7 @@ def load_weights(model, state_dict: dict, source: str) -> None:
     try:
         result = model.load_state_dict(state_dict, strict=False)
     except RuntimeError as e:  # shapes that do not fit the config
-        raise InputError(f"the weights in {source} do not fit its config: {str(e).splitlines()[1].strip()}") from None
+        raise InputError(f"the weights in {source} do not fit its config: {' '.join(str(e).split())[:300]}") from None
     if result.missing_keys or result.unexpected_keys:
         raise InputError(f"the weights in {source} do not fit its config: {len(result.missing_keys)} tensor(s) "
                          f"missing {result.missing_keys[:3]}, {len(result.unexpected_keys)} unexpected "

@@ -1,0 +1,208 @@
+"""Export: from a step_<N> checkpoint written by DDP, ZeRO-2 or ZeRO-3, the weights the run held at that step.
+
+Each strategy trains 2 optimizer steps on 2 processes with a checkpoint at every step. The run's own
+export at its end (`accelerator.get_state_dict`) and the export of its last checkpoint (safetensors,
+or DeepSpeed's shards consolidated) are two independent roads to the weights at step 2: they must meet.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, pipeline
+
+from conftest import REPO, TINY, run_module, run_train
+
+CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, reviews_csv, cache_dir):
+    """`trained_run(strategy)`: the output_dir of a 2-process run, trained once per strategy and module."""
+    runs = {}
+
+    def get(strategy):
+        if strategy not in runs:
+            out = tmp_path_factory.mktemp(strategy)
+            run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
+                       "--max_steps", 2, "--save_steps", 1],
+                      config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+            runs[strategy] = out
+        return runs[strategy]
+
+    return get
+
+
+def export(source, target, *extra):
+    result = run_module("textclf.export", [source, target, "--allow_pickle", *extra])
+    assert "verified" in result.stdout
+    return target
+
+
+def assert_no_empty_tensor(weights: dict):
+    assert all(tensor.numel() > 0 for tensor in weights.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", CONFIGS)
+def test_checkpoint_export_equals_the_weights_the_run_held_at_that_step(strategy, trained_run, tmp_path):
+    out = trained_run(strategy)
+    run = json.loads((out / "run.json").read_text())
+    assert run["num_processes"] == 2
+    assert run["zero_stage"] == {"ddp": None, "zero2": 2, "zero3": 3}[strategy]
+    # What the strategy wrote: accelerate's whole model, or one DeepSpeed shard per rank.
+    checkpoint = out / "step_2"
+    if strategy == "ddp":
+        assert (checkpoint / "model.safetensors").is_file()
+    else:
+        assert not (checkpoint / "model.safetensors").exists()
+        assert len(list((checkpoint / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+
+    exported = load_file(export(checkpoint, tmp_path / "from_checkpoint") / "model.safetensors")
+    at_the_end = load_file(out / "model" / "model.safetensors")
+    assert exported.keys() == at_the_end.keys()
+    assert_no_empty_tensor(exported)
+    for name, tensor in exported.items():
+        assert tensor.shape == at_the_end[name].shape, name
+        assert torch.allclose(tensor, at_the_end[name], rtol=0, atol=1e-6), name
+
+    # The earlier checkpoint exports the earlier weights: the step is the one asked for.
+    earlier = load_file(export(out / "step_1", tmp_path / "step_1") / "model.safetensors")
+    assert any(not torch.equal(earlier[name], exported[name]) for name in exported)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", CONFIGS)
+def test_checkpoint_export_is_a_complete_folder_that_loads_in_a_pipeline(strategy, trained_run, tmp_path):
+    target = tmp_path / "exported"
+    export(trained_run(strategy) / "step_1", target)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(target))
+    model = AutoModelForSequenceClassification.from_pretrained(target)
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    classify = pipeline("text-classification", model=str(target))
+    predictions = classify(["质量很好，非常满意", "太差了，不会再买"])
+    assert [p["label"] in {"negative", "positive"} for p in predictions] == [True, True]
+    assert not [name for name in os.listdir(tmp_path) if "incomplete" in name]
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoints_are_pickles_and_need_allow_pickle(trained_run, tmp_path):
+    result = run_module("textclf.export", [trained_run("zero2") / "step_2", tmp_path / "x"], check=False)
+    assert result.returncode == 2
+    assert "error: " in result.stderr and "--allow_pickle" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def _save_fsdp_sharded(weights, checkpoint):
+    """What accelerate's save_state writes under FSDP with SHARDED_STATE_DICT (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": weights}, storage_writer=dcp.FileSystemWriter(checkpoint / "pytorch_model_fsdp_0"))
+
+
+def _save_fsdp_full(weights, checkpoint):
+    """What it writes with FULL_STATE_DICT."""
+    torch.save(weights, checkpoint / "pytorch_model_fsdp.bin")
+
+
+@pytest.mark.parametrize("save_weights", [_save_fsdp_sharded, _save_fsdp_full], ids=["sharded", "full"])
+def test_fsdp_checkpoint_layouts_export_too(save_weights, tiny_model, tmp_path):
+    """FSDP needs GPUs to train here, so the checkpoint is laid out by hand: train.py's files around the
+    weights as accelerate's FSDP saving writes them."""
+    from transformers import AutoTokenizer
+
+    from textclf.config import InputError
+    from textclf.export import export_checkpoint
+
+    checkpoint = tmp_path / "step_1"
+    checkpoint.mkdir()
+    (checkpoint / "position.json").write_text(json.dumps({"step": 1, "config": {"lora": False}}))
+    shutil.copy(tiny_model / "config.json", checkpoint)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(checkpoint / "tokenizer")
+    weights = load_file(tiny_model / "model.safetensors")
+    save_weights(weights, checkpoint)
+
+    pickled = save_weights is _save_fsdp_sharded
+    if pickled:
+        with pytest.raises(InputError, match="--allow_pickle"):
+            export_checkpoint(str(checkpoint), str(tmp_path / "refused"))
+    export_checkpoint(str(checkpoint), str(tmp_path / "exported"), allow_pickle=pickled)
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    assert exported.keys() == weights.keys()
+    assert all(torch.equal(exported[name], weights[name]) for name in weights)
+
+
+# --- Bad input: one line on stderr, exit code 2, nothing written. -----------------------------------
+
+def assert_refused(result, message):
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_an_existing_target_is_refused_unless_overwrite(tiny_model, tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    assert_refused(run_module("textclf.export", [tiny_model, target], check=False),
+                   f"{target} already exists; choose another target or pass --overwrite")
+    assert os.listdir(target) == ["keep.txt"]
+
+    run_module("textclf.export", [tiny_model, target, "--overwrite"])
+    assert "keep.txt" not in os.listdir(target)
+    original, replaced = load_file(tiny_model / "model.safetensors"), load_file(target / "model.safetensors")
+    assert all(torch.equal(original[name], replaced[name]) for name in original)
+
+
+def _without(name):
+    def make(model, tmp_path):
+        folder = tmp_path / "model"
+        shutil.copytree(model, folder)
+        os.remove(folder / name)
+        return folder
+    return make
+
+
+def _step_folder_without_position(model, tmp_path):
+    (tmp_path / "step_3").mkdir()
+    return tmp_path / "step_3"
+
+
+def _checkpoint_without_weights(model, tmp_path):
+    folder = tmp_path / "step_4"
+    folder.mkdir()
+    (folder / "position.json").write_text(json.dumps({"step": 4}))
+    shutil.copy(model / "config.json", folder)
+    return folder
+
+
+def _unrelated_folder(model, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("not a model")
+    return tmp_path / "notes"
+
+
+BAD_SOURCES = {
+    "a model folder without its weights": (_without("model.safetensors"),
+                                           "is not a complete model folder: it has no weights"),
+    "a model folder without its config": (_without("config.json"),
+                                          "is not a complete model folder: it has no config.json"),
+    "a step folder that is no checkpoint": (_step_folder_without_position,
+                                            "is not a complete checkpoint: it has no position.json"),
+    "a checkpoint without weights": (_checkpoint_without_weights,
+                                     "is not a complete checkpoint: it holds no model weights"),
+    "a folder that is neither": (_unrelated_folder, "is neither a model folder (config.json and weights, as export "
+                                                    "writes) nor a step_<N> checkpoint"),
+    "no folder at all": (lambda model, tmp_path: tmp_path / "missing", "model not found: "),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SOURCES)
+def test_a_source_that_is_not_a_model_is_one_clear_error(case, tiny_model, tmp_path):
+    make_source, message = BAD_SOURCES[case]
+    source = make_source(tiny_model, tmp_path)
+    assert_refused(run_module("textclf.export", [source, tmp_path / "target"], check=False), message)
+    assert not (tmp_path / "target").exists()

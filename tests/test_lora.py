@@ -1,0 +1,113 @@
+"""LoRA under DDP, ZeRO-2 and ZeRO-3 (2 processes each): what trains, what is saved, what reloads, resume.
+
+Each strategy trains 2 optimizer steps of `--lora` with a checkpoint at every step; the run's export
+at its end holds the adapter, and the export of its last checkpoint, merged, is a plain model.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from conftest import REPO, TINY, losses, run_module, run_train
+from textclf.modeling import checkpoint_weights
+
+CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
+TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来",
+         "客服态度恶劣", "还行"]
+
+
+@pytest.fixture(scope="module")
+def lora_args(reviews_csv, cache_dir):
+    return [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--lora", "--max_steps", 2, "--save_steps", 1]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, lora_args):
+    """`lora_run(strategy)`: the output_dir of a 2-process LoRA run, trained once per strategy and module."""
+    runs = {}
+
+    def get(strategy):
+        if strategy not in runs:
+            out = tmp_path_factory.mktemp(f"lora_{strategy}")
+            run_train([*lora_args, "--output_dir", out], config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+            runs[strategy] = out
+        return runs[strategy]
+
+    return get
+
+
+def adapter_model(folder):
+    """The exported adapter, loaded the way peft documents it: base model, then the adapter on top."""
+    base = AutoModelForSequenceClassification.from_pretrained(folder / "base")
+    return PeftModel.from_pretrained(base, folder).eval()
+
+
+def logits(model, folder, texts=TEXTS):
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        return model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", CONFIGS)
+def test_only_adapters_and_head_change(strategy, lora_run):
+    out = lora_run(strategy)
+    assert json.loads((out / "run.json").read_text())["num_processes"] == 2
+    before = checkpoint_weights(str(out / "step_1"), allow_pickle=True)
+    after = checkpoint_weights(str(out / "step_2"), allow_pickle=True)
+    assert before.keys() == after.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    trainable = {name for name in before if ".lora_" in name or ".modules_to_save." in name}
+    # query and value of both layers (A and B each), and the classifier head (weight and bias).
+    assert len(trainable) == 2 * 2 * 2 + 2
+    assert changed == trainable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", CONFIGS)
+def test_the_exported_adapter_reloads_with_peft(strategy, lora_run):
+    folder = lora_run(strategy) / "model"
+    model = adapter_model(folder)
+    config = model.peft_config["default"]
+    assert config.r == 8 and config.lora_alpha == 16 and set(config.target_modules) == {"query", "value"}
+    assert "classifier" in config.modules_to_save
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    adapter = load_file(folder / "adapter_model.safetensors")
+    assert adapter and all(tensor.numel() > 0 for tensor in adapter.values())  # not ZeRO-3's empty placeholders
+    assert any(".lora_B." in name and tensor.abs().sum() > 0 for name, tensor in adapter.items())  # B starts at 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", CONFIGS)
+def test_merged_export_of_a_checkpoint_is_a_plain_model_that_predicts_like_the_adapter(strategy, lora_run, tmp_path):
+    out = lora_run(strategy)
+    merged = tmp_path / "merged"
+    run_module("textclf.export", [out / "step_2", merged, "--merge", "--allow_pickle"])
+    assert not (merged / "adapter_config.json").exists()
+    plain = AutoModelForSequenceClassification.from_pretrained(merged).eval()
+    assert not isinstance(plain, PeftModel)
+    assert not [name for name in plain.state_dict() if "lora" in name or "modules_to_save" in name]
+    expected = logits(adapter_model(out / "model"), out / "model")  # the run's own export, at the same step
+    got = logits(plain, merged)
+    assert got.argmax(dim=-1).tolist() == expected.argmax(dim=-1).tolist()
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tmp_path):
+    out = lora_run(strategy)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "step_1", resumed / "step_1")
+    run_train([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
+              config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+    assert losses(resumed)[2] == losses(out)[2]
+    for name in ("adapter_model.safetensors", "base/model.safetensors"):
+        uninterrupted, continued = load_file(out / "model" / name), load_file(resumed / "model" / name)
+        assert uninterrupted.keys() == continued.keys()
+        assert all(torch.equal(uninterrupted[key], continued[key]) for key in uninterrupted), name

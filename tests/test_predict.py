@@ -1,0 +1,113 @@
+"""Predict: one output row per input row, in input order, on one process or several; bad input."""
+
+import csv
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import REPO, SHARED_DATA, TINY, run_module, run_train
+from textclf.data import clean_text
+from textclf.modeling import load_trained
+from textclf.predict import predict_logits
+
+WAIMAI = SHARED_DATA / "waimai_10k.csv"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, reviews_csv, cache_dir):
+    """A tiny model trained for 3 steps on one process: step_3/ and the export model/ hold the same weights."""
+    out = tmp_path_factory.mktemp("predict_run")
+    run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
+               "--max_steps", 3, "--save_steps", 3])
+    return out
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_two_processes_write_one_row_per_input_row_in_input_order(trained, tmp_path):
+    args = ["--model", trained / "model", "--file", WAIMAI, "--text_column", "review"]
+    # One thread per process in both runs: the same arithmetic, so the outputs can be compared closely.
+    run_module("textclf.predict", [*args, "--output", tmp_path / "one.csv"], env={"OMP_NUM_THREADS": "1"})
+    result = run_module("textclf.predict", [*args, "--output", tmp_path / "two.csv"],
+                        config_file=REPO / "accelerate_configs" / "cpu.yaml", env={"OMP_NUM_THREADS": "1"})
+    assert "predict" in result.stderr  # the progress bar
+
+    inputs = [clean_text(row["review"]) for row in read_csv(WAIMAI)]
+    one, two = read_csv(tmp_path / "one.csv"), read_csv(tmp_path / "two.csv")
+    assert len(inputs) == 11987 and len(one) == len(inputs) and len(two) == len(inputs)
+    assert [row["text"] for row in two] == inputs == [row["text"] for row in one]
+    assert [row["label"] for row in two] == [row["label"] for row in one]
+    # The last batches differ in padding between the two runs (accelerate evens them out with repeated
+    # rows), which may change the last bits of a few probabilities.
+    for column in ("prob_negative", "prob_positive"):
+        assert max(abs(float(a[column]) - float(b[column])) for a, b in zip(one, two)) < 1e-6
+    row = two[0]
+    assert set(row) == {"text", "label", "label_name", "prob_negative", "prob_positive"}
+    assert row["label_name"] == ["negative", "positive"][int(row["label"])]
+
+
+@pytest.mark.slow
+def test_texts_on_the_command_line_from_a_checkpoint_to_json_lines(trained, tmp_path):
+    texts = ["送餐很快，味道不错", "等了两个小时，菜都凉了", "一般"]
+    output = tmp_path / "out.jsonl"
+    run_module("textclf.predict", ["--model", trained / "step_3", "--text", *texts, "--output", output])
+    rows = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
+    assert [row["text"] for row in rows] == texts
+    # The checkpoint predicts what the export of the same step predicts.
+    model, tokenizer = load_trained(str(trained / "model"))
+    expected = predict_logits(model, tokenizer, texts).softmax(dim=-1)
+    for row, probabilities in zip(rows, expected):
+        assert row["label"] == int(probabilities.argmax())
+        assert row["label_name"] == model.config.id2label[row["label"]]
+        assert [row["prob_negative"], row["prob_positive"]] == pytest.approx(probabilities.tolist(), abs=1e-6)
+
+
+def test_sorted_batches_come_back_in_input_order(tiny_model):
+    """Batched and sorted by length, each text gets the logits it gets alone (no padding at all)."""
+    model, tokenizer = load_trained(str(tiny_model))
+    rng = random.Random(0)
+    texts = ["好" * rng.randint(1, 40) + "吃" * rng.randint(0, 5) + "差" * rng.randint(0, 3) for _ in range(37)]
+    batched = predict_logits(model, tokenizer, texts, batch_size=8)
+    one_by_one = torch.cat([predict_logits(model, tokenizer, [text], batch_size=1) for text in texts])
+    assert torch.allclose(batched, one_by_one, atol=1e-5)
+
+
+# --- Bad input: one line on stderr, exit code 2, nothing written. -----------------------------------
+
+def assert_refused(result, message):
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_file_without_the_text_column(tiny_model, tmp_path):
+    data = tmp_path / "comments.csv"
+    data.write_text("id,comment\n1,好吃\n2,难吃\n", encoding="utf-8")
+    result = run_module("textclf.predict", ["--model", tiny_model, "--file", data, "--output", tmp_path / "o.csv"],
+                        check=False)
+    assert_refused(result, f"{data} has no text column 'review'; its columns are: id, comment "
+                           "(choose with --text_column)")
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_a_model_folder_without_its_weights(tiny_model, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_model / name).read_bytes())
+    result = run_module("textclf.predict", ["--model", folder, "--text", "好吃", "--output", tmp_path / "o.csv"],
+                        check=False)
+    assert_refused(result, f"{folder} is not a complete model folder: it has no weights")
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_an_unknown_output_format(tiny_model, tmp_path):
+    result = run_module("textclf.predict", ["--model", tiny_model, "--text", "好吃", "--output", tmp_path / "o.txt"],
+                        check=False)
+    assert_refused(result, "expected a file ending in .csv or .jsonl")

@@ -1,0 +1,87 @@
+"""Evaluate: scores, a per-class table with the 10 Chinese category names, a confusion-matrix PNG; bad labels."""
+
+import csv
+import json
+import random
+
+import pytest
+from PIL import Image
+
+from conftest import SHARED_DATA, TINY, run_module, run_train
+
+CATEGORIES = ["书籍", "平板", "手机", "水果", "洗发水", "热水器", "蒙牛", "衣服", "计算机", "酒店"]
+
+
+@pytest.fixture(scope="module")
+def category_files(tmp_path_factory):
+    """Disjoint samples of online_shopping_10_cats.csv: 60 rows per category to train, 20 to evaluate."""
+    with open(SHARED_DATA / "online_shopping_10_cats.csv", encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    random.Random(0).shuffle(rows)
+    folder = tmp_path_factory.mktemp("cats")
+    paths = {}
+    for name, start, count in (("train", 0, 60), ("eval", 60, 20)):
+        picked = [row for cat in CATEGORIES for row in [r for r in rows if r["cat"] == cat][start:start + count]]
+        paths[name] = folder / f"{name}.csv"
+        with open(paths[name], "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["cat", "label", "review"])
+            writer.writeheader()
+            writer.writerows(picked)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def category_model(tmp_path_factory, category_files, cache_dir):
+    out = tmp_path_factory.mktemp("cats_run")
+    run_train([*TINY, "--data", category_files["train"], "--label_column", "cat", "--cache_dir", cache_dir,
+               "--output_dir", out, "--max_steps", 30, "--save_steps", 100])
+    return out / "model"
+
+
+@pytest.mark.slow
+def test_report_prints_the_table_with_the_ten_category_names_and_draws_the_matrix(category_model, category_files,
+                                                                                   tmp_path):
+    output_dir = tmp_path / "report"
+    result = run_module("textclf.report", ["--model", category_model, "--file", category_files["eval"],
+                                           "--label_column", "cat", "--output_dir", output_dir])
+    report = json.loads((output_dir / "report.json").read_text(encoding="utf-8"))
+
+    # The table: one line per category, by name, with precision, recall, F1 and support.
+    lines = result.stdout.splitlines()
+    for cat in CATEGORIES:
+        row = [line.split() for line in lines if line.split()[:1] == [cat]]
+        assert len(row) == 1 and len(row[0]) == 5 and row[0][4] == "20", (cat, result.stdout)
+        scores = report["per_class"][cat]
+        assert [float(value) for value in row[0][1:4]] == pytest.approx(
+            [scores["precision"], scores["recall"], scores["f1"]], abs=1e-4)
+    assert f"accuracy {report['accuracy']:.4f} | macro-F1 {report['macro_f1']:.4f} | 200 examples" in result.stdout
+
+    # The JSON agrees with itself: the matrix counts every example, its diagonal is the accuracy.
+    assert report["labels"] == CATEGORIES and list(report["per_class"]) == CATEGORIES
+    matrix = report["confusion_matrix"]
+    assert len(matrix) == 10 and all(len(row) == 10 for row in matrix)
+    assert [sum(row) for row in matrix] == [20] * 10
+    assert report["accuracy"] == pytest.approx(sum(matrix[i][i] for i in range(10)) / 200)
+    assert 0 <= report["macro_f1"] <= 1
+
+    # The picture: a real PNG of the size drawn, with the names rendered (no glyph missing from the font).
+    png = output_dir / "confusion_matrix.png"
+    assert png.stat().st_size > 20_000
+    with Image.open(png) as image:
+        image.verify()
+    with Image.open(png) as image:
+        # (3 + 0.6 * 10 + 1) x (3 + 0.6 * 10) inches at 120 dpi
+        assert image.format == "PNG" and image.size == (1200, 1080)
+    assert "missing from font" not in result.stderr
+    assert "no installed font has glyphs" not in result.stderr
+
+
+def test_labels_the_model_does_not_know_are_one_clear_error(tiny_model, tmp_path):
+    data = tmp_path / "labelled.csv"
+    data.write_text("label,review\npositive,好吃\nneutral,一般\nnegative,难吃\n", encoding="utf-8")
+    result = run_module("textclf.report", ["--model", tiny_model, "--file", data, "--output_dir", tmp_path / "r"],
+                        check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert f"{data} has label(s) neutral not seen in the training data (known: negative, positive)" in errors[0]
+    assert not (tmp_path / "r").exists()

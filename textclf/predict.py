@@ -1,0 +1,121 @@
+"""Predict: label id, label name and class probabilities for texts given on the command line or in a file.
+
+    python -m textclf.predict --model checkpoints/model --text "味道很好" "送得太慢了" --output out.jsonl
+    python -m textclf.predict --model checkpoints/step_500 --file new.csv --text_column review --output out.csv
+    accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.predict --model ... --file ... --output ...
+
+One output row per input row, in input order, on any number of processes: batches are sorted by
+length (little padding), each process predicts its share, and every row goes back to its index.
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from datasets import Dataset
+from tqdm.auto import tqdm
+from transformers.utils import logging as transformers_logging
+
+from .config import InputError
+from .data import length_sorted_loader, read_texts, tokenize
+from .modeling import load_trained
+
+OUTPUT_FORMATS = (".csv", ".jsonl")
+
+
+def inference_accelerator() -> Accelerator:
+    """One process, or as many as `accelerate launch` starts. Without CUDA, `cpu=True` is what makes
+    a multi-process launch form a gloo group (runtime.py); inference needs no DeepSpeed."""
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def predict_logits(model, tokenizer, texts: list[str], *, batch_size: int = 64,
+                   accelerator: Optional[Accelerator] = None, progress: bool = False) -> torch.Tensor:
+    """Logits for `texts`, row i for text i: on one process, or shared out among `accelerator`'s.
+
+    Every process gets the whole result. Under several processes accelerate pads the last batches
+    with repeated rows so that all processes run the same number; `gather_for_metrics` drops them.
+    """
+    max_length = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", float("inf")))
+    table = tokenize(Dataset.from_dict({"text": list(texts), "index": list(range(len(texts)))}), tokenizer, max_length)
+    loader = length_sorted_loader(table, tokenizer, batch_size)
+    if accelerator is not None:
+        loader = accelerator.prepare(loader)  # shards the batches and moves them to the device
+        model.to(accelerator.device)
+    device = next(model.parameters()).device
+    logits = torch.empty(len(texts), model.config.num_labels)
+    show = progress and (accelerator is None or accelerator.is_local_main_process)
+    model.eval()
+    with torch.no_grad():
+        for batch in tqdm(loader, desc="predict", unit="batch", disable=not show):
+            index = batch.pop("index")
+            batch_logits = model(**batch.to(device)).logits.float()
+            if accelerator is not None:
+                index, batch_logits = accelerator.gather_for_metrics((index, batch_logits))
+            logits[index.cpu()] = batch_logits.cpu()
+    return logits
+
+
+def label_names(model) -> list[str]:
+    return [model.config.id2label[i] for i in range(model.config.num_labels)]
+
+
+def prediction_rows(texts: list[str], logits: torch.Tensor, names: list[str]) -> list[dict]:
+    """One row per text: the text, the label id and name, and a probability per label name."""
+    probabilities = logits.softmax(dim=-1)
+    return [{"text": text, "label": int(p.argmax()), "label_name": names[int(p.argmax())],
+             **{f"prob_{name}": float(value) for name, value in zip(names, p)}}
+            for text, p in zip(texts, probabilities)]
+
+
+def write_rows(rows: list[dict], path: str) -> None:
+    """CSV or JSON Lines by the file's suffix, through a temporary file and a rename."""
+    tmp = f"{path}.incomplete"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        if path.endswith(".csv"):
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        else:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m textclf.predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", nargs="+", help="one or more texts")
+    source.add_argument("--file", help="a CSV, JSON Lines or JSON file, or a folder saved by `datasets`")
+    parser.add_argument("--text_column", default="review", help="the column of --file that holds the text")
+    parser.add_argument("--output", required=True, help="where to write: a .csv or .jsonl file")
+    parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
+    parser.add_argument("--allow_pickle", action="store_true",
+                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    args = parser.parse_args(argv)
+    if not args.output.endswith(OUTPUT_FORMATS):
+        raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
+    transformers_logging.disable_progress_bar()  # the prediction bar is the one that matters
+
+    accelerator = inference_accelerator()
+    texts = args.text if args.text else read_texts(args.file, args.text_column)
+    model, tokenizer = load_trained(args.model, args.allow_pickle)
+    logits = predict_logits(model, tokenizer, texts, batch_size=args.batch_size, accelerator=accelerator,
+                            progress=True)
+    if accelerator.is_main_process:
+        write_rows(prediction_rows(texts, logits, label_names(model)), args.output)
+        accelerator.print(f"wrote {len(texts)} predictions to {args.output}")
+    accelerator.end_training()  # a clean shutdown of the process group on every rank
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
