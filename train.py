@@ -25,7 +25,7 @@ from textclf.data import fingerprint, load_splits, make_loaders, tokenize
 from textclf.export import export_model
 from textclf.metrics import evaluate_model
 from textclf.modeling import apply_lora, build_model, get_tokenizer
-from textclf.runtime import any_rank, describe, make_accelerator
+from textclf.runtime import any_rank, describe, exit_finished_run, make_accelerator
 
 
 def main(cfg: TrainConfig) -> None:
@@ -144,7 +144,7 @@ def main(cfg: TrainConfig) -> None:
                 progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
                 window = tracking.Window()
             metrics = {}
-            if cfg.eval_steps and step % cfg.eval_steps == 0 and step < total_steps:
+            if step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
                 metrics = evaluate_model(model, eval_loader, accelerator)
                 tracking.log(accelerator, cfg.output_dir, step, metrics)
             stopping = any_rank(accelerator, stop_requested.is_set())
@@ -159,8 +159,8 @@ def main(cfg: TrainConfig) -> None:
         skip = 0
     progress.close()
 
-    metrics = evaluate_model(model, eval_loader, accelerator)
-    tracking.log(accelerator, cfg.output_dir, step, metrics)
+    if not metrics:  # resumed from the last checkpoint: nothing left to train
+        metrics = evaluate_model(model, eval_loader, accelerator)
     accelerator.print(f"eval at step {step}: accuracy {metrics['eval_accuracy']:.4f}, "
                       f"macro-F1 {metrics['eval_f1']:.4f} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"))
@@ -174,3 +174,4 @@ if __name__ == "__main__":
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

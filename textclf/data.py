@@ -184,10 +184,14 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
 
 
 class EpochLengthGroupedSampler(LengthGroupedSampler):
-    """The Trainer's length-grouped order, drawn afresh from (seed, epoch) alone.
+    """The Trainer's length-grouped order, with its groups shuffled, drawn from (seed, epoch) alone.
 
-    A pure function of the epoch is what lets a resumed run replay the exact batches it would have
-    seen; Accelerate calls `set_epoch` through its prepared DataLoader.
+    The Trainer's order walks each megabatch from its longest group to its shortest. Where length
+    goes with the label (negative reviews run longer), that sweeps the label mix of successive
+    batches back and forth, and a model trained from scratch stayed at chance for epochs. Shuffling
+    whole groups keeps the padding as low and the batches as independent as random ones; the group
+    with the longest example stays first, so an out-of-memory batch shows at once. A pure function
+    of the epoch is what lets a resumed run replay its batches (Accelerate calls `set_epoch`).
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int):
@@ -199,7 +203,12 @@ class EpochLengthGroupedSampler(LengthGroupedSampler):
 
     def __iter__(self):
         self.generator.manual_seed(self.seed + self.epoch)
-        return super().__iter__()
+        indices = list(super().__iter__())
+        groups = [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
+        # The last group may be short: it stays last, so every other one splits evenly over the ranks.
+        full = len(indices) // self.batch_size
+        middle = [groups[1 + i] for i in torch.randperm(full - 1, generator=self.generator).tolist()] if full > 1 else []
+        return iter([i for group in groups[:1] + middle + groups[max(full, 1):] for i in group])
 
 
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
@@ -211,7 +220,7 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
     """
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
-    lengths, train = train["length"], train.remove_columns(["length"])
+    lengths, train = train["length"][:], train.remove_columns(["length"])  # [:] reads the column once
     if group_by_length:
         # A group spans one micro-step of all processes, so every rank gets similar lengths.
         sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes, seed)

@@ -1,7 +1,9 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
+import logging
 import os
 import platform
+import sys
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
@@ -48,6 +50,15 @@ def zero_stage(accelerator: Accelerator):
     return plugin.zero_stage if plugin is not None else None
 
 
+def zero_offload(accelerator: Accelerator):
+    """Where DeepSpeed keeps optimizer states and parameters: {"optimizer": "cpu", "param": "none"}."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return None
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    return {part: zero.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
+
+
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
     """What ran: strategy, scale, precision and versions; logged at start and saved in run.json."""
     import accelerate
@@ -66,6 +77,7 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1))),
         "mixed_precision": accelerator.mixed_precision,
         "zero_stage": zero_stage(accelerator),
+        "zero_offload": zero_offload(accelerator),
         "device": str(accelerator.device),
         "micro_batch_size": micro,
         "global_batch_size": micro * cfg.gradient_accumulation_steps * accelerator.num_processes,
@@ -82,6 +94,25 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
 
 def is_deepspeed(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def exit_finished_run() -> None:
+    """End the process of a finished distributed run (after `accelerator.end_training()`) without
+    interpreter teardown; a single process exits normally.
+
+    `end_training` destroys the process groups, but references to them survive it: DeepSpeed's
+    engine and optimizer, `_dp_group` on every parameter, `deepspeed.utils.groups`, and even in DDP
+    runs `group=WORLD` defaults bound when deepspeed.comm is imported. So gloo's C++ threads are
+    still running while the interpreter tears down, and one that touches Python then aborts the
+    finished run ("terminate called without an active exception", SIGABRT: `accelerate launch`
+    returns 1). Every file of the run is closed and every tracker finished by now: only the
+    teardown is skipped.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def any_rank(accelerator: Accelerator, flag: bool) -> bool:

@@ -1,0 +1,43 @@
+"""The benchmark command, end to end in its --quick mode: it writes the table, the JSON and the chart,
+and every row that ran has numbers. Benchmarks are not tests: no assertion here looks at a timing."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import OFFLINE, REPO
+
+NUMBERS = ("startup_s", "steps_per_s", "samples_per_s", "real_tokens_per_s", "real_token_fraction",
+           "model_flops_per_s", "limit_fraction", "peak_rss_mb", "theory_model_states_mb", "eval_accuracy", "wall_s")
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
+    result = subprocess.run([sys.executable, "-m", "textclf.bench", "--quick", "--data", str(reviews_csv),
+                             "--output_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                            timeout=1800, env={**os.environ, **OFFLINE})
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+    rows = json.loads((tmp_path / "bench.json").read_text(encoding="utf-8"))
+    ran = [row for row in rows if row["status"] == "ok"]
+    names = {row["name"] for row in ran}
+    expected = {"single", "plain_pytorch", "hf_trainer", "cpu", "single_small", "plain_pytorch_small"}
+    if importlib.util.find_spec("deepspeed"):
+        expected.add("zero2")
+    assert expected <= names
+    for row in ran:
+        for key in NUMBERS:
+            assert isinstance(row[key], (int, float)) and row[key] >= 0, (row["name"], key, row.get(key))
+        assert row["processes"] >= 1 and len(row["peak_rss_mb_per_rank"]) == row["processes"], row["name"]
+    for row in rows:
+        assert row["status"] in ("ok", "skipped"), (row["name"], row.get("reason"))
+        if row["status"] == "skipped":
+            assert row["skipped"], row["name"]  # never skipped silently
+
+    table = (tmp_path / "bench.md").read_text(encoding="utf-8")
+    assert all(f"| {row['name']} |" in table for row in rows)
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")

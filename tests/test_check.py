@@ -1,0 +1,332 @@
+"""The pre-launch check (textclf/check.py): every shipped config passes it, each conflict it promises
+to catch is caught with a line naming both places, and its numbers follow the ZeRO paper. No training."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from textclf import check
+from textclf.config import parse_config
+
+ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+# Shipped for GPUs; the rest are what the zoo tests run on this CPU machine.
+NEEDS_CUDA = {"single_gpu.yaml", "ddp.yaml", "ddp_bf16.yaml", "ddp_fp16.yaml", "fsdp.yaml"}
+# Values accelerate fills from the training config and the launch: a number here would be a second source of truth.
+FILLED_BY_ACCELERATE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                        "gradient_clipping")
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    """Paths in the zoo are relative to the repository root, where launches start."""
+    monkeypatch.chdir(REPO)
+
+
+def run_check(capsys, *argv):
+    """(exit status, stdout, stderr) of `python -m textclf.check argv`, run in this process."""
+    status = check.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def report(out: str) -> dict:
+    """The check's `name  value` lines as a dict."""
+    return {line[:18].strip(): line[18:] for line in out.splitlines() if line[:18].strip()}
+
+
+def conflicts(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("conflict: ")]
+
+
+def write_yaml(path, base: str, **changes):
+    """A variant of a shipped yaml with some keys changed (None deletes a key)."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / base).read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def write_deepspeed_variant(tmp_path, name: str, edit) -> Path:
+    """zero*.yaml pointing at a copy of ds_configs/<name>.json changed by `edit(config)`."""
+    ds = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+    edit(ds)
+    ds_path = tmp_path / f"{name}_variant.json"
+    ds_path.write_text(json.dumps(ds))
+    return write_yaml(tmp_path / f"{name}_variant.yaml", f"{name}.yaml",
+                      deepspeed_config={"deepspeed_config_file": str(ds_path), "zero3_init_flag": False})
+
+
+def test_the_zoo_is_complete():
+    names = {path.name for path in ZOO}
+    assert names >= {"cpu.yaml", "single_gpu.yaml", "ddp.yaml", "ddp_bf16.yaml", "ddp_fp16.yaml", "fsdp.yaml",
+                     "zero2.yaml", "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml", "multi_node.yaml"}
+    assert {path.name for path in DS_CONFIGS} >= {"zero2.json", "zero2_offload.json", "zero3.json",
+                                                  "zero3_offload.json"}
+
+
+@pytest.mark.parametrize("path", ZOO, ids=lambda p: p.name)
+def test_every_shipped_config_passes_the_check_and_starts_with_its_launch_line(capsys, path):
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("# ") and f"--config_file accelerate_configs/{path.name}" in path.read_text()
+    target = "cuda" if path.name in NEEDS_CUDA else "cpu"
+    status, out, err = run_check(capsys, "--config_file", path.relative_to(REPO), "--target", target)
+    assert status == 0, err
+    assert not conflicts(err)
+    shown = report(out)
+    expected = yaml.safe_load(path.read_text())
+    assert shown["processes"].startswith(f"{expected['num_processes']} process")
+    assert f"({expected['distributed_type']})" in shown["strategy"]
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+def test_every_deepspeed_config_is_used_by_the_zoo_and_leaves_the_training_config_in_charge(capsys, path):
+    users = [yaml_path for yaml_path in ZOO
+             if yaml.safe_load(yaml_path.read_text()).get("deepspeed_config", {}).get("deepspeed_config_file")
+             == f"ds_configs/{path.name}"]
+    assert len(users) == 1, f"{path.name} should be the json of exactly one zoo file"
+    ds = json.loads(path.read_text())
+    assert all(ds[key] == "auto" for key in FILLED_BY_ACCELERATE)
+    assert ds["fp16"]["enabled"] == "auto" and ds["bf16"]["enabled"] == "auto"
+    assert "optimizer" not in ds and "scheduler" not in ds
+    stage = ds["zero_optimization"]["stage"]
+    if stage == 3:
+        assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    status, out, _ = run_check(capsys, "--config_file", users[0].relative_to(REPO), "--target", "cpu",
+                               "--gradient_accumulation_steps", 3, "--mixed_precision", "bf16")
+    assert status == 0
+    shown = report(out)
+    assert shown["deepspeed config"] == f"ds_configs/{path.name}"
+    assert shown["strategy"].startswith(f"DeepSpeed ZeRO-{stage}")
+    assert shown["precision"].startswith("bf16, from the launch line")
+    assert "x accumulation 3 x" in shown["batch"]
+
+
+def test_the_report_merges_launch_overrides_with_the_training_config(capsys):
+    status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/zero3_offload.yaml", "--target", "cpu",
+                               "--num_processes", 4, "--per_device_train_batch_size", 5,
+                               "--gradient_accumulation_steps", 3, "--model", "scratch-tiny")
+    assert status == 0
+    shown = report(out)
+    assert shown["processes"] == "4 processes on 1 machine"
+    assert shown["batch"] == "micro 5 x accumulation 3 x 4 processes = global 60"
+    assert shown["zero"] == "stage 3, offload: optimizer states to cpu, weights to cpu"
+    assert shown["model"].startswith("scratch-tiny:")
+
+
+def test_multi_node_counts_processes_over_all_machines(capsys):
+    status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/multi_node.yaml", "--target", "cuda",
+                               "--num_processes", 32, "--num_machines", 4)
+    assert status == 0
+    assert report(out)["processes"] == "32 processes on 4 machines, 8 per machine"
+
+
+def test_memory_estimate_follows_the_zero_paper():
+    params = 1_000_000
+    # DDP in fp32: 4 + 4 + 8 bytes per parameter, nothing sharded.
+    assert check.memory_per_rank(params, params, False, 0, 8) == {
+        "weights": 4e6, "gradients": 4e6, "optimizer states": 8e6}
+    # 16-bit weights: 2 + 2 + 12; stage 1 shards the optimizer, 2 also gradients, 3 also weights.
+    assert check.memory_per_rank(params, params, True, 1, 4) == {
+        "weights": 2e6, "gradients": 2e6, "optimizer states": 3e6}
+    assert check.memory_per_rank(params, params, True, 2, 4) == {
+        "weights": 2e6, "gradients": 0.5e6, "optimizer states": 3e6}
+    assert check.memory_per_rank(params, params, True, 3, 4) == {
+        "weights": 0.5e6, "gradients": 0.5e6, "optimizer states": 3e6}
+    # Frozen parameters (LoRA) have neither gradients nor optimizer states.
+    assert check.memory_per_rank(params, 1000, False, 0, 1)["optimizer states"] == 8000
+
+
+def test_parameter_count_is_the_model_train_py_builds_and_lora_trains_a_fraction():
+    cfg = parse_config(["--model", "scratch-tiny"])
+    total, trainable = check.count_parameters(cfg)
+    assert total == trainable
+    # scratch-tiny: 2 layers, hidden 128, intermediate 512, vocabulary 8000, 512 positions, 2 labels.
+    embeddings = (8000 + 512 + 2) * 128 + 2 * 128
+    layer = 4 * (128 * 128 + 128) + 2 * 128 + (128 * 512 + 512) + (512 * 128 + 128) + 2 * 128
+    head = (128 * 128 + 128) + (128 * 2 + 2)
+    assert total == embeddings + 2 * layer + head
+    lora_total, lora_trainable = check.count_parameters(parse_config(["--model", "scratch-tiny", "--lora"]))
+    assert lora_total > total and lora_trainable < total / 10
+
+
+# --- conflicts: each variant below is one mistake, and the check names both places ---
+
+def test_precision_in_the_yaml_next_to_a_deepspeed_json_is_refused(capsys, tmp_path):
+    variant = write_yaml(tmp_path / "zero2_mp.yaml", "zero2.yaml", mixed_precision="bf16")
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert str(variant) in line and "ds_configs/zero2.json" in line and "mixed_precision bf16" in line
+
+
+@pytest.mark.parametrize("launch_precision", ["no", "fp16"])
+def test_precision_hard_coded_in_the_json_differing_from_the_launch_is_a_conflict(capsys, tmp_path, launch_precision):
+    variant = write_deepspeed_variant(tmp_path, "zero2", lambda ds: ds.update(bf16={"enabled": True}))
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda",
+                               "--mixed_precision", launch_precision)
+    assert status == 1
+    [line] = conflicts(err)
+    assert f"launch line (--mixed_precision) is {launch_precision}" in line
+    assert "zero2_variant.json" in line and '"bf16": {"enabled": true}' in line
+
+
+def test_precision_hard_coded_in_the_json_agreeing_with_the_launch_passes(capsys, tmp_path):
+    variant = write_deepspeed_variant(tmp_path, "zero2", lambda ds: ds.update(bf16={"enabled": True}))
+    status, out, err = run_check(capsys, "--config_file", variant, "--target", "cuda", "--mixed_precision", "bf16")
+    assert status == 0, err
+    assert report(out)["precision"].startswith("bf16")
+
+
+@pytest.mark.parametrize("key, value, flag", [
+    ("gradient_accumulation_steps", 4, "--gradient_accumulation_steps"),
+    ("train_micro_batch_size_per_gpu", 16, "--per_device_train_batch_size"),
+    ("train_batch_size", 1000, "--per_device_train_batch_size x --gradient_accumulation_steps x 2 processes"),
+    ("gradient_clipping", 0.5, "--max_grad_norm"),
+])
+def test_accumulation_and_batch_hard_coded_in_the_json_differing_from_the_training_config(
+        capsys, tmp_path, key, value, flag):
+    variant = write_deepspeed_variant(tmp_path, "zero3", lambda ds: ds.update({key: value}))
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu",
+                               "--per_device_train_batch_size", 8)
+    assert status == 1
+    [line] = conflicts(err)
+    assert line.startswith(f"conflict: {key}: ") and "zero3_variant.json" in line
+    assert f"hard-codes {value}" in line and flag in line
+
+
+def test_accumulation_hard_coded_in_the_json_agreeing_with_the_training_config_passes(capsys, tmp_path):
+    variant = write_deepspeed_variant(tmp_path, "zero3", lambda ds: ds.update(gradient_accumulation_steps=2))
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu",
+                               "--gradient_accumulation_steps", 2)
+    assert status == 0, err
+
+
+def test_fp16_is_refused_for_a_machine_without_cuda_and_accepted_for_a_gpu_machine(capsys, tmp_path):
+    variant = write_yaml(tmp_path / "cpu_fp16.yaml", "cpu.yaml", mixed_precision="fp16")
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert f"{variant} mixed_precision is fp16" in line and "no CUDA GPU" in line
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda")
+    assert status == 0, err
+
+
+def test_fp16_and_fsdp_from_the_gpu_zoo_are_refused_for_a_machine_without_cuda(capsys):
+    for name in ("ddp_fp16.yaml", "fsdp.yaml"):
+        status, _, err = run_check(capsys, "--config_file", f"accelerate_configs/{name}", "--target", "cpu")
+        assert status == 1
+        [line] = conflicts(err)
+        assert name in line and "no CUDA GPU" in line
+
+
+def test_zero3_without_16bit_gather_on_save_would_export_no_weights(capsys, tmp_path):
+    def no_gather(ds):
+        del ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    variant = write_deepspeed_variant(tmp_path, "zero3", no_gather)
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert line.startswith("conflict: export: ") and "zero3_variant.json" in line and "textclf/export.py" in line
+
+
+def test_a_deepspeed_config_file_that_does_not_exist(capsys, tmp_path):
+    variant = write_yaml(tmp_path / "zero2_missing.yaml", "zero2.yaml",
+                         deepspeed_config={"deepspeed_config_file": "ds_configs/nope.json"})
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert str(variant) in line and "ds_configs/nope.json, which does not exist" in line
+
+
+@pytest.mark.parametrize("stage, part, message", [
+    (2, "offload_param", "offloads parameters to cpu at ZeRO stage 2"),
+    (0, "offload_optimizer", "offloads the optimizer to cpu at ZeRO stage 0"),
+])
+def test_offload_on_a_stage_that_does_not_support_it(capsys, tmp_path, stage, part, message):
+    def offload(ds):
+        ds["zero_optimization"].update({"stage": stage, part: {"device": "cpu"}})
+    variant = write_deepspeed_variant(tmp_path, "zero2", offload)
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert line.startswith("conflict: offload: ") and "zero2_variant.json" in line and message in line
+
+
+def test_an_optimizer_block_in_the_json_conflicts_with_train_py_s_optimizer(capsys, tmp_path):
+    variant = write_deepspeed_variant(
+        tmp_path, "zero2", lambda ds: ds.update(optimizer={"type": "AdamW", "params": {"lr": "auto"}}))
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert '"optimizer" block' in line and "train.py builds AdamW" in line
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"distributed_type": "MULTI_CPU"}, "MULTI_CPU starts a single process without mpirun"),
+    ({"use_cpu": True}, "starts 2 independent single-process runs"),
+    ({"num_processes": 3, "num_machines": 2, "main_process_ip": "10.0.0.1"}, "is not a multiple of num_machines 2"),
+    ({"num_machines": 2, "num_processes": 4}, "no main_process_ip"),
+])
+def test_yaml_mistakes_that_silently_start_something_else(capsys, tmp_path, changes, message):
+    variant = write_yaml(tmp_path / "variant.yaml", "cpu.yaml", **changes)
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
+    assert status == 1
+    [line] = conflicts(err)
+    assert str(variant) in line and message in line
+
+
+def test_bf16_warns_on_a_cpu_without_native_bf16(capsys, monkeypatch, tmp_path):
+    with_bf16, without_bf16 = tmp_path / "with", tmp_path / "without"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    without_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert check.cpu_has_native_bf16(str(with_bf16)) and not check.cpu_has_native_bf16(str(without_bf16))
+
+    monkeypatch.setattr(check, "cpu_has_native_bf16", lambda: False)  # the flags of an AVX2-only CPU
+    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu",
+                               "--mixed_precision", "bf16")
+    assert status == 0
+    assert "warning: precision: the launch line (--mixed_precision) is bf16, but this CPU has no native bf16" in err
+    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_bf16.yaml", "--target", "cuda")
+    assert status == 0 and "warning" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config_file", "accelerate_configs/nope.yaml"], "accelerate config not found: accelerate_configs/nope.yaml"),
+    (["--config_file", "accelerate_configs/cpu.yaml", "--learning_rat", "1"], "unknown config key(s) --learning_rat"),
+    (["--config_file", "accelerate_configs/cpu.yaml", "--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
+])
+def test_unreadable_input_is_one_error_line_and_exit_2(capsys, argv, message):
+    status, out, err = run_check(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unquoted_no_in_the_yaml_is_named(capsys, tmp_path):
+    variant = tmp_path / "single.yaml"
+    variant.write_text((REPO / "accelerate_configs" / "single_gpu.yaml").read_text()
+                       .replace('distributed_type: "NO"', "distributed_type: NO"))
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda")
+    assert status == 2 and "a bare NO is YAML for false" in err
+
+
+def test_the_command_line_entry_point(tmp_path):
+    """`python -m textclf.check` as users run it: report on stdout, conflicts on stderr, exit status."""
+    ok = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", "accelerate_configs/zero3.yaml",
+                         "--target", "cpu", "--model", "scratch-tiny"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "DeepSpeed ZeRO-3 (DEEPSPEED)" in ok.stdout and "memory per rank" in ok.stdout
+    variant = write_yaml(tmp_path / "cpu_fp16.yaml", "cpu.yaml", mixed_precision="fp16")
+    bad = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", str(variant), "--target", "cpu"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "conflict: precision:" in bad.stderr

@@ -1,0 +1,105 @@
+"""The config zoo on this CPU machine: each file trains end to end on 2 processes, runs the strategy it
+names (read back from run.json, so a launch that silently ran something else fails), and exports a
+model that loads. From the same seed, data and steps, every ZeRO file and the two-machine run must
+export the same weights as cpu.yaml's DDP."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification
+
+from conftest import OFFLINE, REPO, TINY, free_port, run_train, train_command
+
+pytestmark = pytest.mark.slow
+ZOO = REPO / "accelerate_configs"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def run_args(reviews_csv, cache_dir):
+    """One tiny run, the same under every strategy: seed, data, steps."""
+    return [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", STEPS]
+
+
+def train_under(config: str, run_args, output_dir, extra_launch_args=()) -> dict:
+    """Launch train.py with one zoo file; return its run.json."""
+    run_train([*run_args, "--output_dir", output_dir], config_file=ZOO / config, extra_launch_args=extra_launch_args)
+    return json.loads((output_dir / "run.json").read_text())
+
+
+def exported_weights(output_dir) -> dict[str, torch.Tensor]:
+    [weights] = (output_dir / "model").glob("*.safetensors")
+    return load_file(weights)
+
+
+def assert_exported_model_loads(output_dir):
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir / "model")
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory, run_args):
+    """cpu.yaml in fp32: the run every other strategy is compared with."""
+    out = tmp_path_factory.mktemp("cpu")
+    return out, train_under("cpu.yaml", run_args, out)
+
+
+def test_cpu_yaml_is_ddp_over_two_real_processes(ddp_reference):
+    out, run = ddp_reference
+    assert (run["distributed_type"], run["num_processes"], run["num_machines"]) == ("MULTI_CPU", 2, 1)
+    assert (run["mixed_precision"], run["zero_stage"], run["zero_offload"]) == ("no", None, None)
+    assert_exported_model_loads(out)
+
+
+def test_cpu_yaml_with_bf16_from_the_launch_line(tmp_path, run_args):
+    run = train_under("cpu.yaml", run_args, tmp_path, extra_launch_args=["--mixed_precision", "bf16"])
+    assert (run["distributed_type"], run["num_processes"], run["mixed_precision"]) == ("MULTI_CPU", 2, "bf16")
+    assert_exported_model_loads(tmp_path)
+
+
+@pytest.mark.parametrize("config, stage, offload", [
+    ("zero2.yaml", 2, {"optimizer": "none", "param": "none"}),
+    ("zero2_offload.yaml", 2, {"optimizer": "cpu", "param": "none"}),
+    ("zero3.yaml", 3, {"optimizer": "none", "param": "none"}),
+    ("zero3_offload.yaml", 3, {"optimizer": "cpu", "param": "cpu"}),
+])
+def test_zero_configs_run_their_stage_and_offload_and_export_full_weights(
+        tmp_path, run_args, ddp_reference, config, stage, offload):
+    run = train_under(config, run_args, tmp_path)
+    assert (run["distributed_type"], run["num_processes"], run["mixed_precision"]) == ("DEEPSPEED", 2, "no")
+    assert (run["zero_stage"], run["zero_offload"]) == (stage, offload)
+    assert_exported_model_loads(tmp_path)
+    # Every parameter exported whole: the same names and shapes as DDP's export, none of them a shard,
+    # and the same values: sharding (and DeepSpeedCPUAdam under offload) changes where, not what.
+    reference, exported = exported_weights(ddp_reference[0]), exported_weights(tmp_path)
+    assert {name: t.shape for name, t in exported.items()} == {name: t.shape for name, t in reference.items()}
+    assert max_abs_diff(exported, reference) < 1e-4
+
+
+def test_multi_node_yaml_as_two_machines_on_one_host(tmp_path, run_args, ddp_reference):
+    """machine_rank 0 and 1 on 127.0.0.1, one process each: the same run as cpu.yaml's two processes."""
+    port = free_port()
+    launches = []
+    for machine_rank in (0, 1):
+        # Both launches meet at one port: the last --main_process_port on a command line wins.
+        node = ["--num_processes", "2", "--num_machines", "2", "--machine_rank", str(machine_rank),
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+        command = train_command([*run_args, "--output_dir", tmp_path], ZOO / "multi_node.yaml", node)
+        launches.append(subprocess.Popen(command, cwd=REPO, env={**os.environ, **OFFLINE},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [launch.communicate(timeout=900)[0] for launch in launches]
+    for launch, output in zip(launches, outputs):
+        assert launch.returncode == 0, output[-6000:]
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert (run["distributed_type"], run["num_processes"], run["num_machines"]) == ("MULTI_CPU", 2, 2)
+    assert_exported_model_loads(tmp_path)
+    assert max_abs_diff(exported_weights(tmp_path), exported_weights(ddp_reference[0])) < 1e-4

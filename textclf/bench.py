@@ -1,0 +1,617 @@
+"""Benchmark: one training job under every strategy this machine can run, each measured the same way.
+
+    python -m textclf.bench                       # default sizes: under 20 minutes on a 2-core CPU
+    python -m textclf.bench --quick               # a smaller job and fewer rows: under 3 minutes
+    python -m textclf.bench --data my.csv --output_dir bench_out --only single,plain_pytorch
+
+Rows, each a subprocess started the way a user starts it, one after another:
+- train.py: `single` (`python train.py`, one process, fp32), `lora` (`--lora`), and one row per zoo
+  file in accelerate_configs/ that runs here (`accelerate launch --config_file ...`), plus `cpu_bf16`
+  (cpu.yaml with `--mixed_precision bf16`); files that need CUDA or several machines are listed
+  with the reason they were skipped.
+- the baselines of textclf/bench_baselines.py: `plain_pytorch` (a hand-written loop on the same
+  batches), `hf_trainer` (transformers.Trainer, settings equal to train.py's), `hf_trainer_default`.
+A second job trains a BERT-base-sized model (built from config, no download) through train.py and
+the plain loop, to compare model FLOP/s with the FLOP/s torch reaches on a large fp32 matmul, and,
+in full mode, under DDP, ZeRO-2 and ZeRO-3 to put ZeRO's memory savings beside the theory.
+
+Writes DIR/bench.md (tables), DIR/bench.json (a list of rows), DIR/bench.png (throughput and
+memory per strategy), and DIR/runs/<row>/ (each run's log.jsonl and console output).
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+import yaml
+
+from .bench_baselines import BASELINES
+from .config import TrainConfig
+from .data import DEFAULT_DATA, fingerprint, load_splits, load_table, tokenize
+from .modeling import apply_lora, build_model, get_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ZOO = REPO / "accelerate_configs"
+# The zoo files that run without CUDA (ranks over gloo); every other file needs GPUs.
+CPU_ZOO = ("cpu", "zero2", "zero2_offload", "zero3", "zero3_offload")
+# No row may reach a hub: the benchmark works offline, like the template.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ROW_TIMEOUT_S = 900
+SAMPLE_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training job, run unchanged under each of its rows."""
+
+    model: str
+    steps: int  # optimizer steps
+    warmup_steps: int  # steps left out of the steady-state figures (first allocations, lazy inits)
+    data_rows: Optional[int]  # a seeded sample of this many examples of the data, or all of it
+    rows: Optional[tuple] = None  # the rows to run; None: all
+    left_out: Optional[str] = None  # why the other rows do not run, to list them; None: do not list them
+    suffix: str = ""  # appended to row names, so that rows of different jobs stay apart
+    global_batch: int = 32
+    max_length: int = 128
+    seed: int = 42
+
+
+def plan_jobs(quick: bool) -> list[Job]:
+    if quick:
+        return [Job("scratch-mini", steps=8, warmup_steps=2, data_rows=2000,
+                    rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2"),
+                    left_out="left out by --quick"),
+                Job("scratch-small", steps=4, warmup_steps=1, data_rows=1000, rows=("single", "plain_pytorch"),
+                    suffix="_small")]
+    return [Job("scratch-mini", steps=60, warmup_steps=10, data_rows=None),
+            Job("scratch-base", steps=8, warmup_steps=2, data_rows=2400,
+                rows=("single", "plain_pytorch", "cpu", "zero2", "zero3"), suffix="_base")]
+
+
+# --- which rows, and how each is launched ---------------------------------------------------------------
+
+def plan_rows(job: Job, cuda_devices: int) -> list[dict]:
+    """Every row of the job: how it is launched, or why it cannot run here."""
+    rows = [dict(name="single", what="python train.py", processes=1),
+            *(dict(name=name, what=what, processes=1, baseline=name) for name, what in BASELINES.items()),
+            dict(name="lora", what="python train.py --lora", processes=1, train_args=["--lora"], lora=True)]
+    for path in sorted(ZOO.glob("*.yaml")):
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        row = dict(name=path.stem, what=f"accelerate launch {path.name}", config_file=str(path.relative_to(REPO)),
+                   processes=spec.get("num_processes", 1), precision=str(spec.get("mixed_precision", "no")),
+                   **deepspeed_settings(spec))
+        if spec.get("num_machines", 1) > 1:
+            row["skipped"] = f"needs {spec['num_machines']} machines"
+        elif not cuda_devices and path.stem not in CPU_ZOO:
+            row["skipped"] = "needs CUDA"
+        elif row["zero_stage"] is not None and importlib.util.find_spec("deepspeed") is None:
+            row["skipped"] = "needs DeepSpeed: pip install -e '.[deepspeed]'"
+        elif cuda_devices and path.stem == "cpu":
+            row["skipped"] = "CPU-only file: on a CUDA machine its ranks would go to the GPUs"
+        elif cuda_devices and row["processes"] > 1:  # the GPU files name 8; use the GPUs there are
+            row.update(processes=cuda_devices, launch_args=["--num_processes", str(cuda_devices)])
+        rows.append(row)
+        if path.stem == "cpu":
+            rows.append({**row, "name": "cpu_bf16", "what": f"accelerate launch {path.name} --mixed_precision bf16",
+                         "precision": "bf16", "launch_args": ["--mixed_precision", "bf16"]})
+    for row in rows:
+        if job.global_batch % row["processes"] and "skipped" not in row:
+            row["skipped"] = f"global batch {job.global_batch} does not split over {row['processes']} processes"
+    if job.rows is not None:
+        rows = [row if row["name"] in job.rows else {"skipped": job.left_out, **row} for row in rows
+                if row["name"] in job.rows or job.left_out]
+    for row in rows:
+        row["name"] += job.suffix
+        if "skipped" in row:
+            row["status"] = "skipped"
+    return rows
+
+
+def deepspeed_settings(spec: dict) -> dict:
+    """ZeRO stage and what is offloaded, read from the DeepSpeed JSON a zoo file points to."""
+    ds_file = (spec.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ds_file:
+        return dict(zero_stage=None, offload=[])
+    with open(REPO / ds_file, encoding="utf-8") as f:
+        zero = json.load(f).get("zero_optimization", {})
+    offload = [part for part in ("optimizer", "param") if zero.get(f"offload_{part}", {}).get("device") == "cpu"]
+    return dict(zero_stage=zero.get("stage", 0), offload=offload)
+
+
+def train_args(job: Job, data: str, processes: int, output_dir: Path) -> list[str]:
+    """train.py's options for this job; the baselines take the same ones."""
+    return ["--model", job.model, "--data", data, "--max_length", str(job.max_length),
+            "--per_device_train_batch_size", str(job.global_batch // processes), "--max_steps", str(job.steps),
+            "--seed", str(job.seed), "--logging_steps", "1", "--save_steps", str(job.steps + 1),  # no checkpoint
+            "--report_to", "none", "--output_dir", str(output_dir), "--overwrite_output_dir"]
+
+
+def command(row: dict, args: list[str]) -> list[str]:
+    if row.get("baseline"):
+        return [sys.executable, "-m", "textclf.bench_baselines", row["baseline"], *args]
+    if not row.get("config_file"):
+        return [sys.executable, "train.py", *args, *row.get("train_args", [])]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", row["config_file"],
+            "--main_process_port", str(free_port()), *row.get("launch_args", []),
+            "train.py", *args, *row.get("train_args", [])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- running one row: wall time and the memory of each rank ---------------------------------------------
+
+def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
+    """Run `cmd`, sampling the resident memory of every rank (and its GPU memory) until it exits.
+
+    A rank is a process that has RANK in its environment while its parent has not (the launcher);
+    without a launcher the process itself is the only rank. Compilers that DeepSpeed starts inherit
+    RANK from their rank and are not counted.
+    """
+    env = {**OFFLINE, **os.environ}
+    peak_rss, peak_gpu, rank_of = {}, {}, {}
+    launched_at = time.time()
+    with open(console, "w", encoding="utf-8") as out:
+        # A session of its own: a timeout (or Ctrl-C here) stops the launcher and all its ranks together.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        root = psutil.Process(proc.pid)
+        try:
+            while proc.poll() is None and time.time() - launched_at < timeout_s:
+                gpu_memory = gpu_memory_by_pid() if torch.cuda.is_available() else {}
+                for p in [root, *safe(root.children, recursive=True, default=[])]:
+                    rss = safe(lambda: p.memory_info().rss)
+                    if rss is None:
+                        continue
+                    peak_rss[p.pid] = max(peak_rss.get(p.pid, 0), rss)
+                    peak_gpu[p.pid] = max(peak_gpu.get(p.pid, 0), gpu_memory.get(p.pid, 0))
+                    if p.pid not in rank_of:  # read until seen after exec: a fresh fork shows its parent's environment
+                        rank = safe(lambda: p.environ().get("RANK"))
+                        parent_rank = safe(lambda: p.parent().environ().get("RANK"))
+                        if rank is not None and parent_rank is None:
+                            rank_of[p.pid] = int(rank)
+                time.sleep(SAMPLE_EVERY_S)
+        finally:
+            timed_out = proc.poll() is None
+            if timed_out:
+                safe(os.killpg, proc.pid, signal.SIGKILL)
+                proc.wait()
+    ranks = sorted(rank_of, key=rank_of.get) or [proc.pid]
+    mb = 2 ** 20
+    return {"launched_at": launched_at, "wall_s": time.time() - launched_at, "exit_code": proc.returncode,
+            "timed_out": timed_out,
+            "peak_rss_mb_per_rank": [round(peak_rss.get(pid, 0) / mb) for pid in ranks],
+            "peak_device_mb_per_rank": [round(peak_gpu.get(pid, 0) / mb) for pid in ranks]
+            if torch.cuda.is_available() else None}
+
+
+def safe(fn, *args, default=None, **kwargs):
+    """psutil calls on processes that may exit between two lines."""
+    try:
+        return fn(*args, **kwargs)
+    except (psutil.Error, OSError):
+        return default
+
+
+def gpu_memory_by_pid() -> dict:
+    """Device memory each process holds, in bytes (nvidia-smi: allocated plus the allocator's cache)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {int(pid): int(used) * 2 ** 20 for pid, used in (line.split(", ") for line in out.strip().splitlines())
+            if used.strip().isdigit()}
+
+
+def read_log(log_path: Path, launched_at: float, global_batch: int, warmup_steps: int) -> dict:
+    """Steady-state figures from a run's log.jsonl (one line per optimizer step, then the eval line).
+
+    Time runs between the step lines' wall-clock stamps, from the end of the last warm-up step to the
+    end of the last step: everything the loop does per step counts, evaluation and export do not.
+    Each step line gives rates over its step; their ratios give the step's counts exactly:
+    real tokens per sample = real_tokens_per_s / samples_per_s, and a full step has global_batch samples.
+    A log that lacks the warm-up boundary, a steady step or the final evaluation raises.
+    """
+    with open(log_path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    steps = [line for line in lines if "samples_per_s" in line]
+    evals = [line for line in lines if "eval_accuracy" in line]
+    steady = [line for line in steps if line["step"] > warmup_steps]
+    start = next(line["time"] for line in steps if line["step"] == warmup_steps)
+    seconds = steady[-1]["time"] - start
+    tokens_per_sample = [line["real_tokens_per_s"] / line["samples_per_s"] for line in steady]
+    real = global_batch * sum(tokens_per_sample)
+    padded = global_batch * sum(t / line["real_token_fraction"] for t, line in zip(tokens_per_sample, steady))
+    times = [start] + [line["time"] for line in steady]
+    return {"startup_s": steps[0]["time"] - launched_at, "steps_per_s": len(steady) / seconds,
+            "samples_per_s": global_batch * len(steady) / seconds, "real_tokens_per_s": real / seconds,
+            "real_token_fraction": real / padded, "tokens_per_sample": real / (global_batch * len(steady)),
+            "eval_accuracy": evals[-1]["eval_accuracy"],
+            "step_seconds": [b - a for a, b in zip(times, times[1:])],
+            "losses": [line.get("loss") for line in steps]}
+
+
+def run_row(row: dict, job: Job, data: str, shape: dict, runs_dir: Path) -> dict:
+    """Run one row and turn its measurements into the row's figures."""
+    output_dir = runs_dir / row["name"]
+    shutil.rmtree(output_dir, ignore_errors=True)
+    output_dir.mkdir(parents=True)
+    cmd = command(row, train_args(job, data, row["processes"], output_dir))
+    print(f"[bench] {row['name']}: {' '.join(cmd[1:])}", flush=True)
+    result = {**row, "model": job.model, "command": " ".join(["python", *cmd[1:]]),
+              **run_sampled(cmd, output_dir / "console.log", ROW_TIMEOUT_S)}
+    result["peak_rss_mb"] = max(result["peak_rss_mb_per_rank"])
+    if result["peak_device_mb_per_rank"] is not None:
+        result["peak_device_mb"] = max(result["peak_device_mb_per_rank"])
+    lora = row.get("lora", False)
+    result["theory_model_states_mb"] = round(model_state_bytes(
+        params=shape["lora_params" if lora else "params"],
+        trainable=shape["lora_trainable" if lora else "params"], processes=row["processes"],
+        zero_stage=row.get("zero_stage"), offload=row.get("offload", []),
+        mixed=row.get("zero_stage") is not None and row.get("precision", "no") in ("bf16", "fp16"),
+        on_gpu=torch.cuda.is_available()) / 2 ** 20, 1)
+    try:
+        if result["timed_out"]:
+            raise TimeoutError(f"stopped after {ROW_TIMEOUT_S} s")
+        result.update(read_log(output_dir / "log.jsonl", result["launched_at"], job.global_batch, job.warmup_steps))
+    except (TimeoutError, OSError, StopIteration, IndexError, KeyError, ZeroDivisionError, json.JSONDecodeError) as e:
+        tail = (output_dir / "console.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+        result.update(status="failed", reason=f"exit {result['exit_code']}, no complete log ({type(e).__name__} {e}): "
+                                              + " | ".join(tail))
+        return result
+    result["status"] = "ok"
+    if result["exit_code"] != 0:  # DeepSpeed sometimes aborts after the script finished (NOTES.md)
+        result["reason"] = f"exit code {result['exit_code']} after the run"
+    result["model_flops_per_s"] = model_flops_per_token(shape, lora, result["tokens_per_sample"]) \
+        * result["real_tokens_per_s"]
+    return result
+
+
+# --- model FLOPs and ZeRO memory: the theory -----------------------------------------------------------
+
+def model_flops_per_token(shape: dict, lora: bool, tokens_per_sample: float) -> float:
+    """Training FLOPs per real token: 6N plus attention (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022).
+
+    N counts the parameters outside the embedding tables. Forward 2N, gradients of the activations
+    2N, of the weights 2N for the weights that train (LoRA: the adapters and head only). Attention
+    adds 12 x layers x hidden x sequence length, with the length of the row's average sample.
+    """
+    trainable = shape["lora_trainable"] if lora else shape["non_embedding_params"]
+    attention = 12 * shape["layers"] * shape["hidden"] * tokens_per_sample
+    return 4 * shape["non_embedding_params"] + 2 * trainable + attention
+
+
+def model_state_bytes(params: int, trainable: int, processes: int, zero_stage: Optional[int], offload: list,
+                      mixed: bool, on_gpu: bool) -> float:
+    """Weights, gradients and Adam states per rank, by the ZeRO paper (Rajbhandari et al. 2020, sec. 3).
+
+    Bytes per parameter: fp32 4 + 4 + 8 (weights, gradients, momentum and variance); mixed precision
+    2 + 2 + 12 (16-bit weights and gradients; fp32 master weights, momentum, variance). ZeRO stage 1
+    shards the optimizer states over the ranks, stage 2 the gradients too, stage 3 the weights too.
+    Offloaded parts leave the GPU but stay in the host's memory, so on a CPU they still count.
+    """
+    weight_bytes, grad_bytes, optimizer_bytes = (2, 2, 12) if mixed else (4, 4, 8)
+    stage = zero_stage or 0
+
+    def per_rank(total, sharded_from_stage):
+        return total / processes if stage >= sharded_from_stage else total
+
+    weights = 0 if on_gpu and "param" in offload else per_rank(weight_bytes * params, 3)
+    optimizer = 0 if on_gpu and "optimizer" in offload else per_rank(optimizer_bytes * trainable, 1)
+    return weights + per_rank(grad_bytes * trainable, 2) + optimizer
+
+
+def matmul_limit(repeats: int) -> dict:
+    """FLOP/s torch reaches on a large fp32 matmul here: the ceiling for model FLOP/s (median of repeats)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = 8192 if device == "cuda" else 2048
+    a, b = (torch.randn(size, size, device=device) for _ in range(2))
+    seconds = []
+    for i in range(repeats + 3):  # three warm-up products
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            seconds.append(time.perf_counter() - start)
+    return {"size": size, "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
+            "flops_per_s": 2 * size ** 3 / statistics.median(seconds)}
+
+
+# --- data and model, prepared once per job ------------------------------------------------------------
+
+def job_data(job: Job, data: str, folder: str) -> str:
+    """The job's data file: all of `data`, or a seeded sample of job.data_rows examples written as CSV."""
+    if job.data_rows is None:
+        return data
+    table = load_table(data)
+    if len(table) > job.data_rows:
+        table = table.shuffle(seed=job.seed).select(range(job.data_rows))
+    path = os.path.join(folder, f"{Path(data).stem}_{job.data_rows}.csv")
+    table.to_csv(path, index=False)
+    return path
+
+
+def prepare_job(job: Job, data: str) -> dict:
+    """Tokenizer and tokenized data made once here, so that no row's startup pays for them; the model's shape."""
+    cfg = TrainConfig(model=job.model, data=data, max_length=job.max_length, seed=job.seed)
+    train_set, eval_set, labels = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
+                                              cfg.eval_split, cfg.seed)
+    tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
+    for split in (train_set, eval_set):
+        tokenize(split, tokenizer, cfg.max_length)
+    model = build_model(cfg.model, tokenizer, labels, cfg.max_length)
+    params = sum(p.numel() for p in model.parameters())
+    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    lora = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    return {"train_examples": len(train_set), "eval_examples": len(eval_set), "params": params,
+            "non_embedding_params": params - embedding, "layers": model.config.num_hidden_layers,
+            "hidden": model.config.hidden_size, "lora_params": sum(p.numel() for p in lora.parameters()),
+            "lora_trainable": sum(p.numel() for p in lora.parameters() if p.requires_grad)}
+
+
+def warm_deepspeed_ops() -> str:
+    """Build DeepSpeed's C++ ops (scripts/warm_deepspeed_ops.py) before the rows: no row's startup compiles."""
+    start = time.time()
+    try:
+        done = subprocess.run([sys.executable, "scripts/warm_deepspeed_ops.py"], cwd=REPO, capture_output=True,
+                              text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "timed out after 900 s (the rows build what they need)"
+    if done.returncode:
+        return f"failed ({(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]})"
+    return f"{time.time() - start:.0f} s"
+
+
+# --- the machine, and the report ----------------------------------------------------------------------
+
+def describe_machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu,
+            "logical_cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+            "memory_gb": round(psutil.virtual_memory().total / 2 ** 30, 1), "gpus": gpus, "versions": versions,
+            "os": platform.platform()}
+
+
+def peak_mb(row: dict) -> int:
+    """The memory that limits a run: the GPU's where there is one, else the host's."""
+    return row.get("peak_device_mb", row["peak_rss_mb"])
+
+
+def fmt(value, digits=1) -> str:
+    if value is None:
+        return ""
+    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def rows_table(rows: list[dict]) -> list[str]:
+    device = "device" if torch.cuda.is_available() else "RSS"
+    head = ["row", "what runs", "procs", "startup s", "steps/s", "samples/s", "real tok/s", "real-token frac",
+            "model GFLOP/s", "of matmul limit", f"peak {device} MB/rank", "theory states MB/rank", "eval acc", "wall s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("status") != "ok":
+            reason = r.get("skipped") or r.get("reason")
+            out.append(f"| {r['name']} | {r['what']} | {r['processes']} | " + f"{r.get('status', 'skipped')}: "
+                       f"{reason} |" + " |" * (len(head) - 4))
+            continue
+        memory = r["peak_device_mb_per_rank"] or r["peak_rss_mb_per_rank"]
+        note = f" ({r['reason']})" if r.get("reason") else ""
+        out.append("| " + " | ".join([
+            r["name"], r["what"] + note, str(r["processes"]), fmt(r["startup_s"]), fmt(r["steps_per_s"], 2),
+            fmt(r["samples_per_s"]), fmt(r["real_tokens_per_s"], 0), fmt(r["real_token_fraction"], 3),
+            fmt(r["model_flops_per_s"] / 1e9), f"{r['limit_fraction']:.0%}", " / ".join(map(str, memory)),
+            fmt(r["theory_model_states_mb"]), fmt(r["eval_accuracy"], 4), fmt(r["wall_s"])]) + " |")
+    return out
+
+
+def compare_with_plain(rows: list[dict], suffix: str) -> list[str]:
+    """train.py (single) against the plain loop on the same batches: losses, and step time paired step by step."""
+    by_name = {r["name"]: r for r in rows if r.get("status") == "ok"}
+    ours, plain = by_name.get("single" + suffix), by_name.get("plain_pytorch" + suffix)
+    if not ours or not plain:
+        return []
+    pairs = [(a, b) for a, b in zip(ours["losses"], plain["losses"]) if a is not None and b is not None]
+    loss_gap = max(abs(a - b) for a, b in pairs)
+    ratios = [a / b for a, b in zip(ours["step_seconds"], plain["step_seconds"])]
+    return [f"train.py `single{suffix}` against `plain_pytorch{suffix}`, same batches in the same order: "
+            f"largest per-step loss difference {loss_gap:.2g} over {len(pairs)} steps; steady-state step time "
+            f"{plain['steps_per_s'] / ours['steps_per_s']:.3f}x the plain loop's in total, "
+            f"{statistics.median(ratios):.3f}x as the median of per-step ratios.", ""]
+
+
+def memory_table(rows: list[dict]) -> list[str]:
+    """ZeRO rows beside the DDP row of the same job: the theory's saving per rank, and what was measured."""
+    by_name = {r["name"]: r for r in rows if r.get("status") == "ok"}
+    reference = next((r for r in by_name.values() if r.get("zero_stage") is None and r["processes"] > 1
+                      and r.get("precision", "no") == "no"), None)
+    zero = [r for r in by_name.values() if r.get("zero_stage") is not None]
+    if not reference or not zero:
+        return []
+    out = [f"Memory per rank against `{reference['name']}` (DDP, every rank holds everything):", "",
+           "| row | ZeRO stage | offload | theory states MB/rank | theory saving MB | measured peak MB/rank "
+           "| measured saving MB |", "|---|---|---|---|---|---|---|"]
+    for r in [reference, *zero]:
+        out.append(f"| {r['name']} | {r.get('zero_stage') or '-'} | {', '.join(r.get('offload', [])) or '-'} "
+                   f"| {fmt(r['theory_model_states_mb'])} "
+                   f"| {fmt(reference['theory_model_states_mb'] - r['theory_model_states_mb'])} "
+                   f"| {peak_mb(r)} | {peak_mb(reference) - peak_mb(r)} |")
+    return out + ["", MEMORY_NOTE, ""]
+
+
+SETTINGS_NOTE = """\
+Equal in every row of a job: data and split, tokenizer, model and its initial weights (seed), sequence
+length, global batch, optimizer steps. train.py rows and `plain_pytorch` also share the batches
+themselves (textclf.data: same collation, length grouping and order), AdamW with the same lr, weight
+decay, betas and eps, the linear warmup schedule and gradient clipping. `hf_trainer` has those same
+settings through TrainingArguments (`optim="adamw_torch"`, `warmup_steps`, `train_sampling_strategy=
+"group_by_length"`, logging every step); its length-grouped batches are drawn by the Trainer's own
+sampler. `hf_trainer_default` keeps only model, data, batch, steps and seed: lr 5e-5, no warmup, no
+weight decay, random batches, fused AdamW, logging every 500 steps."""
+
+MEMORY_NOTE = """\
+Why measured and theory differ: a rank's peak holds, besides the model states, the Python process and
+its libraries (most of it for a small model), activations, and buffers the theory leaves out: DDP's
+gradient buckets (4 more bytes per parameter), ZeRO-2's own fp32 copy of its weight partition (kept
+even in fp32 training: 4/N bytes per parameter), DeepSpeed's flattened copies and communication
+buckets. Offload moves states from GPU memory to host memory, so on a CPU it saves nothing."""
+
+HOW_NOTE = """\
+How to read it: startup is launch to the end of the first optimizer step. Steady state runs from the
+end of the warm-up steps to the last step, by the wall-clock stamps of log.jsonl, so the loop's
+logging counts and evaluation and export do not. Real tokens exclude padding. Model FLOP/s =
+(6 x non-embedding parameters + 12 x layers x hidden x tokens per sample) x real tokens/s (LoRA:
+4N + 2 x trainable), against the matmul limit above (times the GPUs a GPU row uses). Peak memory is
+resident memory per rank on a CPU, sampled every {every} s; on a GPU, the device memory each rank
+holds (nvidia-smi). Theory states: weights, gradients and Adam states per rank by the ZeRO paper,
+4+4+8 bytes per parameter in fp32, 2+2+12 in mixed precision."""
+
+
+def write_report(out_dir: Path, machine: dict, matmuls: list[dict], sections: list[dict], argv: list[str]) -> None:
+    rows = [r for section in sections for r in section["rows"]]
+    # Other load on the machine only lowers a measurement: the highest is the closest to the hardware's.
+    matmul = max(matmuls, key=lambda m: m["flops_per_s"])
+    for r in (r for r in rows if r.get("status") == "ok"):
+        # The CPU's limit is measured on all its cores, which every row uses; a GPU's is per GPU.
+        devices = r["processes"] if matmul["device"] == "cuda" else 1
+        r["matmul_limit_flops_per_s"] = matmul["flops_per_s"] * devices
+        r["limit_fraction"] = r["model_flops_per_s"] / r["matmul_limit_flops_per_s"]
+    measured = " and ".join(f"{m['flops_per_s'] / 1e9:.1f}" for m in matmuls)
+    with open(out_dir / "bench.json", "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    v = machine["versions"]
+    lines = [f"# Benchmark: `python -m textclf.bench {' '.join(argv)}`".rstrip(), "",
+             f"{machine['date']}; {machine['cpu']}, {machine['physical_cores']} cores ({machine['logical_cores']} "
+             f"logical), {machine['memory_gb']} GB" + (f"; GPUs: {', '.join(machine['gpus'])}" if machine["gpus"] else
+                                                        "; no GPU") + f"; {machine['os']}.",
+             "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".",
+             f"Matmul limit: {matmul['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 {matmul['size']}x{matmul['size']} on "
+             f"{matmul['device']}, {matmul['threads']} threads, median of {matmul['repeats']}; "
+             + (f"the higher of {measured}, measured before and after the rows)." if len(matmuls) > 1 else
+                "measured before the rows)."), ""]
+    for section in sections:
+        job, shape = section["job"], section["shape"]
+        lines += [f"## `{job.model}` on {Path(section['data_name']).name}", "",
+                  f"{shape['params'] / 1e6:.1f}M parameters ({shape['non_embedding_params'] / 1e6:.1f}M outside "
+                  f"embeddings; LoRA trains {shape['lora_trainable'] / 1e6:.2f}M); {shape['train_examples']} train / "
+                  f"{shape['eval_examples']} eval examples; max_length {job.max_length}, global batch "
+                  f"{job.global_batch}, {job.steps} optimizer steps (steady state over the last "
+                  f"{job.steps - job.warmup_steps}), seed {job.seed}."
+                  + (f" DeepSpeed's C++ ops built or loaded before the rows: {section['deepspeed_ops']}."
+                     if section["deepspeed_ops"] else ""), "",
+                  *rows_table(section["rows"]), "", *compare_with_plain(section["rows"], job.suffix),
+                  *memory_table(section["rows"])]
+    lines += [SETTINGS_NOTE, "", HOW_NOTE.format(every=SAMPLE_EVERY_S), ""]
+    (out_dir / "bench.md").write_text("\n".join(lines), encoding="utf-8")
+    plot(out_dir / "bench.png", sections[0], machine)
+
+
+def plot(path: Path, section: dict, machine: dict) -> None:
+    """Throughput and memory per strategy, for the first job."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in section["rows"] if r.get("status") == "ok"]
+    names = [r["name"] for r in rows]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
+    speed.barh(names, [r["samples_per_s"] for r in rows], color="tab:blue")
+    speed.set_xlabel("samples/s (steady state)")
+    for y, r in enumerate(rows):
+        speed.annotate(f" {r['limit_fraction']:.0%} of matmul", (r["samples_per_s"], y), va="center", fontsize=8)
+    memory.barh(names, [peak_mb(r) for r in rows], color="tab:orange", label="measured peak per rank")
+    memory.scatter([r["theory_model_states_mb"] for r in rows], names, color="black", marker="|", s=200,
+                   label="theory: weights + grads + Adam per rank", zorder=3)
+    memory.set_xlabel("MB per rank")
+    memory.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
+    speed.margins(x=0.3)  # room for the labels
+    speed.invert_yaxis()
+    fig.suptitle(f"{section['job'].model}, global batch {section['job'].global_batch} - {machine['cpu']}, "
+                 f"{machine['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m textclf.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller job and fewer rows (under 3 minutes)")
+    parser.add_argument("--output_dir", default="bench_out", help="where bench.md, bench.json, bench.png go")
+    parser.add_argument("--data", default=DEFAULT_DATA, help="training data with train.py's columns (label, review)")
+    parser.add_argument("--only", help="comma-separated row names to run (default: all that run here)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running row is stopped too
+    os.environ.update({k: v for k, v in OFFLINE.items() if k not in os.environ})
+    out_dir = Path(args.output_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = str(Path(args.data).resolve()) if args.data != DEFAULT_DATA else args.data
+    os.chdir(REPO)  # where train.py runs, and where the default data is built
+    cuda_devices = torch.cuda.device_count()
+    only = set(args.only.split(",")) if args.only else None
+    known = {row["name"] for job in plan_jobs(args.quick) for row in plan_rows(job, cuda_devices)}
+    if only and only - known:
+        parser.error(f"unknown row(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
+
+    machine = describe_machine()
+    repeats = 5 if args.quick else 20
+    matmuls = [matmul_limit(repeats)]
+    print(f"[bench] matmul limit {matmuls[0]['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="textclf-bench-") as scratch:
+        for job in plan_jobs(args.quick):
+            rows = plan_rows(job, cuda_devices)
+            if only is not None:
+                rows = [row for row in rows if row["name"] in only]
+            if not rows:
+                continue
+            job_file = job_data(job, data, scratch)
+            shape = prepare_job(job, job_file)
+            deepspeed_rows = [r for r in rows if r.get("zero_stage") is not None and "skipped" not in r]
+            deepspeed_ops = warm_deepspeed_ops() if deepspeed_rows else None
+            results = [row if "skipped" in row else run_row(row, job, job_file, shape, out_dir / "runs")
+                       for row in rows]
+            sections.append({"job": job, "shape": shape, "rows": results, "data_name": data,
+                             "deepspeed_ops": deepspeed_ops})
+            write_report(out_dir, machine, matmuls, sections, argv)  # a partial report survives a later failure
+    matmuls.append(matmul_limit(repeats))
+    write_report(out_dir, machine, matmuls, sections, argv)
+    failed = [r["name"] for s in sections for r in s["rows"] if r.get("status") == "failed"]
+    print(f"[bench] wrote {out_dir}/bench.md, bench.json, bench.png" + (f"; failed: {failed}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The benchmark's two baselines, written plainly: a hand-made PyTorch loop, and the HF Trainer.
+
+    python -m textclf.bench_baselines plain_pytorch      <train.py options>
+    python -m textclf.bench_baselines hf_trainer         <train.py options>   # settings equal to train.py's
+    python -m textclf.bench_baselines hf_trainer_default <train.py options>   # the Trainer's defaults
+
+Each takes train.py's own options (parsed by textclf.config), so data, split, tokenizer, model
+weights, batch size, steps, seed and hyperparameters are the job's by construction. Each writes
+`log.jsonl` in output_dir the way train.py does with `--logging_steps 1`: one line per optimizer
+step with its wall-clock `time` and throughput, then one line with the eval accuracy. One process,
+on the GPU when there is one; the plain loop uses no Accelerate at all.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from transformers import (
+    DataCollatorWithPadding,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    get_linear_schedule_with_warmup,
+    set_seed,
+)
+
+from .config import TrainConfig, parse_config
+from .data import fingerprint, load_splits, make_loaders, tokenize
+from .metrics import evaluate_model, load_metric
+from .modeling import build_model, get_tokenizer
+
+BASELINES = {  # name: what runs
+    "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
+    "hf_trainer": "transformers.Trainer, train.py's settings",
+    "hf_trainer_default": "transformers.Trainer at its defaults",
+}
+
+
+def prepare(cfg: TrainConfig):
+    """Data and model built as train.py builds them, in the same order, so the weights are the same."""
+    set_seed(cfg.seed)
+    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
+                                                   cfg.eval_split, cfg.seed)
+    tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
+    train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
+    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length)
+    return train_set, eval_set, tokenizer, model
+
+
+def loaders(cfg: TrainConfig, train_set, eval_set, tokenizer):
+    """train.py's batches: the same collation, length grouping and order for a given seed and epoch."""
+    return make_loaders(train_set, eval_set, tokenizer, train_batch_size=cfg.per_device_train_batch_size,
+                        eval_batch_size=cfg.per_device_eval_batch_size, num_processes=1,
+                        group_by_length=cfg.group_by_length, seed=cfg.seed)
+
+
+def token_counts(batch) -> tuple[int, int, int]:
+    """Samples, real tokens and padded tokens of one batch."""
+    mask = batch["attention_mask"]
+    return mask.shape[0], int(mask.sum()), mask.numel()
+
+
+def open_step_log(output_dir: str):
+    """A function that appends one train.py-style log line per optimizer step, timed from the call before."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "log.jsonl")
+    last = time.time()
+
+    def log_step(step: int, counts: tuple[int, int, int], **values) -> None:
+        nonlocal last
+        now = time.time()
+        seconds, (samples, real, padded) = now - last, counts
+        line = {"step": step, "time": now, **values, "samples_per_s": samples / seconds,
+                "real_tokens_per_s": real / seconds, "real_token_fraction": real / padded}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        last = now
+
+    return log_step
+
+
+def log_eval(output_dir: str, step: int, metrics: dict) -> None:
+    with open(os.path.join(output_dir, "log.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+
+
+def plain_pytorch(cfg: TrainConfig) -> None:
+    """The loop a PyTorch user writes by hand: train.py's job without Accelerate."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train_set, eval_set, tokenizer, model = prepare(cfg)
+    train_loader, eval_loader = loaders(cfg, train_set, eval_set, tokenizer)
+    model.to(device)
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+         "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_epsilon)
+    total_steps = cfg.max_steps
+    scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
+
+    log_step = open_step_log(cfg.output_dir)
+    step = 0
+    model.train()
+    for epoch in range(math.ceil(total_steps / len(train_loader))):
+        if cfg.group_by_length:
+            train_loader.sampler.set_epoch(epoch)  # the epoch's order, drawn as train.py draws it
+        for batch in train_loader:
+            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+            loss = model(**batch).loss
+            loss.backward()
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            step += 1
+            log_step(step, token_counts(batch), loss=loss.item())
+            if step == total_steps:
+                break
+
+    model.eval()
+    predictions, references = [], []
+    with torch.no_grad():
+        for batch in eval_loader:
+            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+            predictions += model(**batch).logits.argmax(dim=-1).tolist()
+            references += batch["labels"].tolist()
+    log_eval(cfg.output_dir, step, {
+        "eval_accuracy": load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"],
+        "eval_f1": load_metric("f1").compute(predictions=predictions, references=references)["f1"],
+        "eval_samples": len(references)})
+
+
+def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
+    """transformers.Trainer on the same model and data: with train.py's settings, or at its defaults.
+
+    Either way model, data, batch size, steps and seed are the job's. At its defaults the Trainer
+    uses lr 5e-5, no warmup, no weight decay, random batches, fused AdamW and logs every 500 steps.
+    """
+    train_set, eval_set, tokenizer, model = prepare(cfg)
+    collate = DataCollatorWithPadding(tokenizer)  # what the Trainer picks by itself for a tokenizer
+    batch_counts = []  # token counts of every training batch, in the order the Trainer draws them
+
+    def counting_collate(features):
+        batch = collate(features)
+        batch_counts.append(token_counts(batch))
+        return batch
+
+    settings = dict(output_dir=cfg.output_dir, max_steps=cfg.max_steps, seed=cfg.seed,
+                    per_device_train_batch_size=cfg.per_device_train_batch_size, report_to="none",
+                    save_strategy="no", disable_tqdm=True)
+    if equal_settings:
+        settings.update(
+            learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
+            optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=round(cfg.warmup_ratio * cfg.max_steps),
+            train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
+            logging_steps=cfg.logging_steps)
+
+    class StepTimes(TrainerCallback):  # the Trainer's hooks take a callback object
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.log_step = open_step_log(cfg.output_dir)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.log_step(state.global_step, batch_counts[state.global_step - 1])
+
+    trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=train_set,
+                      data_collator=counting_collate, processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer.train()
+    # The same evaluation as train.py's, on the Trainer's own Accelerator.
+    eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
+    log_eval(cfg.output_dir, trainer.state.global_step, evaluate_model(trainer.model, eval_loader, trainer.accelerator))
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in BASELINES:
+        sys.exit(f"usage: python -m textclf.bench_baselines {{{','.join(BASELINES)}}} <train.py options>")
+    cfg = parse_config(argv[1:])
+    if not cfg.max_steps or cfg.gradient_accumulation_steps != 1 or cfg.lora:
+        sys.exit("the baselines run a fixed number of steps (--max_steps), without accumulation or LoRA")
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    if argv[0] == "plain_pytorch":
+        plain_pytorch(cfg)
+    else:
+        hf_trainer(cfg, equal_settings=argv[0] == "hf_trainer")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

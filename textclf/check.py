@@ -1,0 +1,345 @@
+"""The pre-launch check: what a launch would run, the memory it needs per rank, and every conflict visible now.
+
+    python -m textclf.check --config_file accelerate_configs/zero3.yaml --per_device_train_batch_size 16
+    python -m textclf.check --config_file accelerate_configs/cpu.yaml --mixed_precision bf16
+    python -m textclf.check --config_file accelerate_configs/ddp_fp16.yaml --target cuda
+
+It takes what a launch takes: the accelerate yaml and the overrides `accelerate launch` accepts for
+scale and precision, then any training flag of train.py (parsed by textclf.config). It merges the
+yaml, the DeepSpeed json the yaml points at and the training config, and prints the effective
+strategy, processes, precision, ZeRO stage and offload, batch sizes, and the memory per rank for
+weights, gradients and optimizer states. Nothing is trained and no weight is read.
+
+Exit status: 0 when the launch is consistent (warnings allowed); 1 with one `conflict:` line per
+conflict, each naming both places; 2 with one `error:` line for input it cannot read.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from .config import InputError, TrainConfig, parse_config
+from .modeling import SCRATCH_SIZES, SCRATCH_VOCAB_SIZE, apply_lora, scratch_size
+
+PRECISIONS = ("no", "fp16", "bf16")
+# Bytes per parameter for weights, gradients and Adam's states (ZeRO paper, Rajbhandari et al. 2020,
+# section 3.1): 16-bit weights and gradients with fp32 master weights, momentum and variance; or all fp32.
+BYTES_PER_PARAM = {"16-bit": (2, 2, 12), "fp32": (4, 4, 8)}
+# The ZeRO stage from which weights, gradients and optimizer states are sharded over the ranks.
+SHARDED_FROM_STAGE = {"weights": 3, "gradients": 2, "optimizer states": 1}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
+    parser = argparse.ArgumentParser(
+        prog="python -m textclf.check", allow_abbrev=False, exit_on_error=False,
+        description="Check a launch before it runs: strategy, scale, precision, batch, memory per rank, conflicts.",
+        epilog="Every other flag is a training flag, as for train.py (python train.py --help).")
+    parser.add_argument("--config_file", help="the accelerate yaml the launch would use; default: accelerate's "
+                        "default config if `accelerate config` wrote one, else one process (python train.py)")
+    parser.add_argument("--num_processes", type=int, help="processes in total, as on the launch line")
+    parser.add_argument("--num_machines", type=int, help="machines, as on the launch line")
+    parser.add_argument("--mixed_precision", choices=PRECISIONS, help="precision, as on the launch line")
+    parser.add_argument("--target", choices=("here", "cpu", "cuda"), default="here",
+                        help="the machine the launch is for: this one (default), one without CUDA, or one "
+                        "with CUDA GPUs (to check GPU configs from a CPU machine)")
+    try:
+        args, training_args = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise InputError(str(e)) from None
+    return args, parse_config(training_args)
+
+
+def read_launch(args: argparse.Namespace) -> dict:
+    """The yaml with the launch-line overrides applied, as `accelerate launch` would resolve them."""
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    if path is None:
+        return {"path": None, "distributed_type": "NO", "num_processes": args.num_processes or 1,
+                "num_machines": args.num_machines or 1, "mixed_precision": None, "deepspeed": {}, "fsdp": {},
+                "use_cpu": False, "main_process_ip": None, "mpirun": {}}
+    if not os.path.isfile(path):
+        raise InputError(f"accelerate config not found: {path}")
+    try:
+        yaml_config = load_config_from_file(path)
+    except Exception as e:  # yaml syntax, unknown keys, an unknown distributed_type: all mean "unreadable"
+        raise InputError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    distributed_type = getattr(yaml_config.distributed_type, "value", yaml_config.distributed_type)
+    if not isinstance(distributed_type, str):
+        raise InputError(f"{path}: distributed_type is {distributed_type!r}; quote it (a bare NO is YAML for false)")
+    mixed_precision = yaml_config.mixed_precision
+    if mixed_precision is not None and mixed_precision not in PRECISIONS:
+        raise InputError(f"{path}: mixed_precision is {mixed_precision!r}, expected one of {', '.join(PRECISIONS)} "
+                         '(quote "no": a bare no is YAML for false)')
+    return {"path": path, "distributed_type": distributed_type,
+            "num_processes": args.num_processes or yaml_config.num_processes,
+            "num_machines": args.num_machines or yaml_config.num_machines,
+            "mixed_precision": mixed_precision, "deepspeed": yaml_config.deepspeed_config or {},
+            "fsdp": yaml_config.fsdp_config or {}, "use_cpu": yaml_config.use_cpu,
+            "main_process_ip": yaml_config.main_process_ip, "mpirun": yaml_config.mpirun_config or {}}
+
+
+def read_deepspeed(launch: dict, conflicts: list[str]) -> tuple[Optional[dict], str]:
+    """The DeepSpeed config and where it comes from: the json the yaml names, or the yaml's own keys."""
+    section = launch["deepspeed"]
+    path = section.get("deepspeed_config_file")
+    if path:
+        if not os.path.isfile(path):
+            conflicts.append(f"{launch['path']} names deepspeed_config_file {path}, which does not exist "
+                             f"(relative paths start from the directory of the launch: {os.getcwd()})")
+            return None, path
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f), path
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
+    # No json: accelerate builds the DeepSpeed config from the yaml's deepspeed_config keys.
+    place = f"{launch['path']} deepspeed_config"
+    ds = {"zero_optimization": {
+        "stage": section.get("zero_stage", 2),
+        "offload_optimizer": {"device": section.get("offload_optimizer_device", "none")},
+        "offload_param": {"device": section.get("offload_param_device", "none")},
+        "stage3_gather_16bit_weights_on_model_save": section.get("zero3_save_16bit_model", False),
+    }}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in section:
+            ds[key] = section[key]
+    return ds, place
+
+
+def deepspeed_precision(launch: dict, ds: dict, ds_place: str, precision: str, source: str,
+                        conflicts: list[str]) -> str:
+    """The precision DeepSpeed runs: its json wins where it is explicit, and a mismatch is a conflict."""
+    if launch["deepspeed"].get("deepspeed_config_file") and launch["mixed_precision"] is not None:
+        conflicts.append(f"{launch['path']} sets mixed_precision {launch['mixed_precision']} next to "
+                         f"deepspeed_config_file {ds_place}: accelerate refuses both; remove the key and pass "
+                         "--mixed_precision on the launch line (the json's \"auto\" follows it)")
+    explicit = {dtype: ds.get(dtype, {}).get("enabled", "auto") for dtype in ("fp16", "bf16")}
+    explicit = {dtype: value for dtype, value in explicit.items() if value != "auto"}
+    enabled = [dtype for dtype, value in explicit.items() if value is True]
+    for dtype, value in explicit.items():
+        if (value is True) != (precision == dtype):
+            conflicts.append(f"precision: {source} is {precision}, but {ds_place} sets "
+                             f'"{dtype}": {{"enabled": {json.dumps(value)}}}; set it to "auto" so that the launch decides')
+    return enabled[0] if len(enabled) == 1 else precision
+
+
+def check_deepspeed_values(ds: dict, ds_place: str, cfg: TrainConfig, world: int, conflicts: list[str]) -> None:
+    """Values the training config owns must be "auto" in DeepSpeed's config, or agree with it."""
+    micro, accumulation = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    owned = {
+        "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
+        "train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
+        "train_batch_size": (micro * accumulation * world,
+                             f"--per_device_train_batch_size x --gradient_accumulation_steps x {world} processes"),
+        "gradient_clipping": (cfg.max_grad_norm, "--max_grad_norm"),
+    }
+    for key, (expected, flag) in owned.items():
+        value = ds.get(key, "auto")
+        if value != "auto" and value != expected:
+            conflicts.append(f"{key}: {ds_place} hard-codes {value}, the training config has {expected} ({flag}); "
+                             'set it to "auto" so that the training config decides')
+    for block, made_by in (("optimizer", "AdamW"), ("scheduler", "a linear warmup/decay schedule")):
+        if block in ds:
+            conflicts.append(f'{ds_place} has a "{block}" block, but train.py builds {made_by} from the training '
+                             "config: accelerate refuses both; remove the block")
+
+
+def check_zero(zero: dict, ds_place: str, conflicts: list[str]) -> None:
+    stage = zero.get("stage", 0)
+    offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none")
+    offload_param = zero.get("offload_param", {}).get("device", "none")
+    if offload_param != "none" and stage < 3:
+        conflicts.append(f"offload: {ds_place} offloads parameters to {offload_param} at ZeRO stage {stage}; "
+                         "DeepSpeed offloads parameters only at stage 3 (use stage 3, or offload_optimizer alone)")
+    if offload_optimizer != "none" and stage < 1:
+        conflicts.append(f"offload: {ds_place} offloads the optimizer to {offload_optimizer} at ZeRO stage 0; "
+                         "DeepSpeed offloads the optimizer only at stages 1 to 3")
+    if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+        conflicts.append(f"export: {ds_place} runs ZeRO-3 without \"stage3_gather_16bit_weights_on_model_save\": "
+                         "true, so the export at the end of train.py (textclf/export.py) cannot gather full "
+                         "weights; set it to true")
+
+
+def check_topology(launch: dict, conflicts: list[str]) -> None:
+    """The yaml mistakes that make `accelerate launch` start something other than what it says."""
+    path, kind = launch["path"], launch["distributed_type"]
+    processes, machines = launch["num_processes"], launch["num_machines"]
+    if processes < 1:
+        conflicts.append(f"{path} leaves num_processes unset: pass --num_processes on the launch line")
+    elif processes % machines:
+        conflicts.append(f"{path}: num_processes {processes} (all machines together) is not a multiple of "
+                         f"num_machines {machines}")
+    if machines > 1 and not launch["main_process_ip"]:
+        conflicts.append(f"{path}: {machines} machines but no main_process_ip for them to meet at "
+                         "(set it, or pass --main_process_ip)")
+    if kind == "MULTI_CPU" and processes > 1 and not launch["mpirun"]:
+        conflicts.append(f"{path}: distributed_type MULTI_CPU starts a single process without mpirun, not "
+                         f"{processes}; use MULTI_GPU as accelerate_configs/cpu.yaml does (train.py uses gloo on CPU)")
+    if kind == "MULTI_GPU" and launch["use_cpu"]:
+        conflicts.append(f"{path}: use_cpu true with MULTI_GPU starts {processes} independent single-process runs, "
+                         "not one group; set use_cpu: false (train.py uses gloo where there is no CUDA)")
+
+
+def has_cuda(target: str) -> bool:
+    return target == "cuda" or (target == "here" and torch.cuda.is_available())
+
+
+def check_machine(launch: dict, precision: str, source: str, target: str,
+                  conflicts: list[str], warnings: list[str]) -> None:
+    """What the target machine cannot run: fp16 and FSDP without CUDA, bf16 without native bf16."""
+    if has_cuda(target):
+        return
+    machine = "this machine" if target == "here" else "the target machine (--target cpu)"
+    if precision == "fp16":
+        conflicts.append(f"precision: {source} is fp16, but {machine} has no CUDA GPU: train.py refuses fp16 there "
+                         "(on a CPU it would silently run fp32); use bf16 or no, or --target cuda for a GPU machine")
+    if launch["distributed_type"] == "FSDP":
+        conflicts.append(f"{launch['path']} is FSDP, but {machine} has no CUDA GPU: FSDP runs on GPUs only here; "
+                         "use accelerate_configs/zero3.yaml (the same sharding, tested on CPU) or --target cuda")
+    if precision == "bf16" and not cpu_has_native_bf16():
+        warnings.append(f"precision: {source} is bf16, but this CPU has no native bf16 (avx512_bf16 or amx_bf16 "
+                        "in /proc/cpuinfo): expect bf16 to run about 10x slower than fp32 here")
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            flags = {word for line in f if line.startswith("flags") for word in line.split()}
+    except OSError:  # not Linux: no way to tell, and no reason to warn
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
+    """(all, trainable) parameters of the model train.py would build, built on the meta device: no weights."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
+
+    size = scratch_size(cfg.model)
+    # Two labels: the head is hidden_size x labels, a rounding error next to the body.
+    if size:  # build_model's scratch BERT, with the vocabulary at its cap (the learnt one is at most this)
+        hidden = SCRATCH_SIZES[size]["hidden_size"]
+        config = BertConfig(vocab_size=SCRATCH_VOCAB_SIZE, intermediate_size=4 * hidden, num_labels=2,
+                            max_position_embeddings=max(512, cfg.max_length), **SCRATCH_SIZES[size])
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.model, num_labels=2)
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot read the config of model '{cfg.model}': {str(e).splitlines()[0]}") from None
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+        if cfg.lora:
+            model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    parameters = list(model.parameters())
+    return sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
+
+
+def memory_per_rank(params: int, trainable: int, sixteen_bit_weights: bool, shard_stage: int, world: int) -> dict:
+    """Bytes per rank for weights, gradients and optimizer states, each divided by the data-parallel
+    size from the ZeRO stage that shards it (FSDP's full shard counts as stage 3)."""
+    weight, gradient, optimizer = BYTES_PER_PARAM["16-bit" if sixteen_bit_weights else "fp32"]
+    totals = {"weights": params * weight, "gradients": trainable * gradient, "optimizer states": trainable * optimizer}
+    return {part: total / (world if shard_stage >= SHARDED_FROM_STAGE[part] else 1) for part, total in totals.items()}
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
+def human(n_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n_bytes < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+
+
+def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(report lines, warnings, conflicts) for one launch."""
+    launch = read_launch(args)
+    conflicts, warnings = [], []
+    kind, world, machines = launch["distributed_type"], launch["num_processes"], launch["num_machines"]
+    check_topology(launch, conflicts)
+    if args.mixed_precision:
+        precision, source = args.mixed_precision, "the launch line (--mixed_precision)"
+    elif launch["mixed_precision"] is not None:
+        precision, source = launch["mixed_precision"], f"{launch['path']} mixed_precision"
+    else:
+        precision, source = "no", "the default (no mixed_precision anywhere)"
+
+    stage, offload, ds_place = 0, {}, None
+    if kind == "DEEPSPEED":
+        ds, ds_place = read_deepspeed(launch, conflicts)
+        if ds is not None:
+            precision = deepspeed_precision(launch, ds, ds_place, precision, source, conflicts)
+            check_deepspeed_values(ds, ds_place, cfg, world, conflicts)
+            zero = ds.get("zero_optimization")
+            if zero is None:
+                conflicts.append(f'{ds_place} has no "zero_optimization" section, which accelerate requires')
+                zero = {}
+            check_zero(zero, ds_place, conflicts)
+            stage = zero.get("stage", 0)
+            offload = {part: zero.get(key, {}).get("device", "none")
+                       for part, key in (("optimizer states", "offload_optimizer"), ("weights", "offload_param"))}
+    elif kind == "FSDP":
+        shards_nothing = launch["fsdp"].get("fsdp_sharding_strategy") == "NO_SHARD"
+        stage = 0 if shards_nothing else 3
+        if launch["fsdp"].get("fsdp_offload_params"):
+            offload = {"weights": "cpu", "gradients": "cpu", "optimizer states": "cpu"}
+    check_machine(launch, precision, source, args.target, conflicts, warnings)
+
+    strategy = {"NO": "one process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP", "FSDP": "FSDP, fully sharded",
+                "DEEPSPEED": f"DeepSpeed ZeRO-{stage}"}.get(kind, kind)
+    if world <= 1:
+        devices = "a CUDA GPU" if has_cuda(args.target) else "the CPU"
+    else:
+        devices = "CUDA GPUs, NCCL" if has_cuda(args.target) else "the CPU, gloo (train.py's choice without CUDA)"
+    accumulation, micro = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size
+    params, trainable = count_parameters(cfg)
+    sixteen_bit = kind == "DEEPSPEED" and precision != "no"  # torch autocast keeps fp32 weights and states
+    memory = memory_per_rank(params, trainable, sixteen_bit, stage, max(world, 1))
+    sharded = [part for part in memory if stage >= SHARDED_FROM_STAGE[part]]
+    offloaded = [part for part, device in offload.items() if device != "none"]
+    report = [
+        ("accelerate config", launch["path"] or "none: one process, as `python train.py`"),
+        ("deepspeed config", ds_place or "-"),
+        ("strategy", f"{strategy} ({kind}) on {devices}"),
+        ("processes", f"{plural(world, 'process')} on {plural(machines, 'machine')}"
+                      + (f", {world // machines} per machine" if machines > 1 else "")),
+        ("precision", f"{precision}, from {source}" + (f" and {ds_place}" if ds_place else "")),
+        ("zero", f"stage {stage}, offload: {', '.join(f'{p} to {offload[p]}' for p in offloaded) or 'none'}"
+                 if kind == "DEEPSPEED" else "-"),
+        ("batch", f"micro {micro} x accumulation {accumulation} x {plural(world, 'process')} "
+                  f"= global {micro * accumulation * world}"),
+        ("model", f"{cfg.model}: {params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"),
+        ("memory per rank", f"{human(sum(memory.values()))}: "
+                            + ", ".join(f"{part} {human(n)}" + (" (CPU)" if part in offloaded else "")
+                                        for part, n in memory.items())),
+        ("", f"{'+'.join(map(str, BYTES_PER_PARAM['16-bit' if sixteen_bit else 'fp32']))} bytes per parameter "
+             f"(ZeRO paper); sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}; "
+             "activations not counted"),
+    ]
+    return report, warnings, conflicts
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        report, warnings, conflicts = check(args, cfg)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, value in report:
+        print(f"{name:<18}{value}")
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    for line in conflicts:
+        print(f"conflict: {line}", file=sys.stderr)
+    return 1 if conflicts else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
