@@ -7,9 +7,9 @@ from textclf.config import InputError, parse_config
 
 def test_command_line_overrides_recipe_which_overrides_defaults(tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("learning_rate: 0.001\nmax_steps: 50\nlora_target_modules: [query, key]\n")
+    recipe.write_text("learning_rate: 0.002\nmax_steps: 50\nlora_target_modules: [query, key]\n")
     cfg = parse_config(["--config", str(recipe), "--max_steps", "7"])
-    assert cfg.learning_rate == 0.001  # from the recipe
+    assert cfg.learning_rate == 0.002  # from the recipe
     assert cfg.max_steps == 7  # the command line wins
     assert cfg.lora_target_modules == ["query", "key"]
     assert cfg.per_device_train_batch_size == 32  # the default

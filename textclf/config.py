@@ -23,7 +23,7 @@ class InputError(Exception):
 class TrainConfig:
     # --- model and data ---
     model: str = field(
-        default="scratch-mini",
+        default="scratch-tiny",
         metadata={"help": "Hub id or local folder for AutoModelForSequenceClassification, or "
                   "'scratch-<size>' (tiny, mini, small, medium, base) for a BERT built from config "
                   "with a tokenizer trained on the training texts: runs offline."},
@@ -60,7 +60,10 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(
         default=1, metadata={"help": "Micro-batches per optimizer step (global batch = micro x GA x processes)."}
     )
-    learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate of AdamW."})
+    learning_rate: float = field(
+        default=1e-3, metadata={"help": "Peak learning rate of AdamW (the default suits the scratch model; "
+                                "use 2e-5 to 5e-5 to fine-tune a pretrained one)."}
+    )
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and norms)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
