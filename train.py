@@ -11,7 +11,6 @@ Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the
 import math
 import os
 import signal
-import sys
 import threading
 
 import torch
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from textclf import checkpoint, tracking
-from textclf.config import InputError, TrainConfig, parse_config
+from textclf.config import InputError, TrainConfig, parse_config, run_command
 from textclf.data import fingerprint, load_splits, make_loaders, tokenize
 from textclf.export import export_model
 from textclf.metrics import evaluate_model
@@ -169,9 +168,5 @@ def main(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_config())
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(lambda: main(parse_config()))  # bad input: one `error:` line, exit code 2
     exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

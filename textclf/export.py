@@ -13,7 +13,6 @@ the trained model predicts. train.py's export at the end of a run goes through t
 import argparse
 import os
 import shutil
-import sys
 from contextlib import contextmanager
 
 import torch
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
-from .config import InputError
+from .config import InputError, run_command
 from .modeling import LORA_BASE, apply_lora, load_trained, load_weights, weight_files
 from .predict import predict_logits
 
@@ -175,8 +174,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(main)

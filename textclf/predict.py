@@ -12,7 +12,6 @@ import argparse
 import csv
 import json
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
-from .config import InputError
+from .config import InputError, run_command
 from .data import length_sorted_loader, read_texts, tokenize
 from .modeling import load_trained
 
@@ -114,8 +113,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(main)

@@ -17,7 +17,7 @@ from sklearn.metrics import classification_report, confusion_matrix
 from transformers.utils import logging as transformers_logging
 
 from .checkpoint import write_json
-from .config import InputError
+from .config import InputError, run_command
 from .data import encode_labels, load_table, select_columns
 from .metrics import load_metric
 from .modeling import load_trained
@@ -130,8 +130,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_command(main)
