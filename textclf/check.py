@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .config import InputError, TrainConfig, parse_config
-from .modeling import SCRATCH_SIZES, SCRATCH_VOCAB_SIZE, apply_lora, scratch_size
+from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, scratch_config, scratch_size
 
 PRECISIONS = ("no", "fp16", "bf16")
 # Bytes per parameter for weights, gradients and Adam's states (ZeRO paper, Rajbhandari et al. 2020,
@@ -217,14 +217,12 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
     """(all, trainable) parameters of the model train.py would build, built on the meta device: no weights."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     size = scratch_size(cfg.model)
     # Two labels: the head is hidden_size x labels, a rounding error next to the body.
     if size:  # build_model's scratch BERT, with the vocabulary at its cap (the learnt one is at most this)
-        hidden = SCRATCH_SIZES[size]["hidden_size"]
-        config = BertConfig(vocab_size=SCRATCH_VOCAB_SIZE, intermediate_size=4 * hidden, num_labels=2,
-                            max_position_embeddings=max(512, cfg.max_length), **SCRATCH_SIZES[size])
+        config = scratch_config(size, SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=2)
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.model, num_labels=2)

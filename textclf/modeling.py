@@ -71,15 +71,19 @@ def train_tokenizer(texts, folder: str) -> None:
     os.replace(tmp, folder)
 
 
+def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> BertConfig:
+    """The config of a `scratch-<size>` BERT."""
+    return BertConfig(vocab_size=vocab_size, intermediate_size=4 * SCRATCH_SIZES[size]["hidden_size"],
+                      max_position_embeddings=max(512, max_length), **SCRATCH_SIZES[size], **extra)
+
+
 def build_model(model: str, tokenizer, label_names: list[str], max_length: int) -> PreTrainedModel:
     """A sequence classifier whose config carries the label names of the data."""
     labels = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
                   label2id={name: i for i, name in enumerate(label_names)})
     size = scratch_size(model)
     if size:
-        config = BertConfig(vocab_size=len(tokenizer), intermediate_size=4 * SCRATCH_SIZES[size]["hidden_size"],
-                            max_position_embeddings=max(512, max_length), pad_token_id=tokenizer.pad_token_id,
-                            **SCRATCH_SIZES[size], **labels)
+        config = scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **labels)
         return BertForSequenceClassification(config)
     try:
         return AutoModelForSequenceClassification.from_pretrained(model, ignore_mismatched_sizes=True, **labels)
