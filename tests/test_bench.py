@@ -41,3 +41,29 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
     table = (tmp_path / "bench.md").read_text(encoding="utf-8")
     assert all(f"| {row['name']} |" in table for row in rows)
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_repeated_rows_report_their_median_run():
+    from textclf.bench import median_run
+
+    runs = [{"status": "ok", "steps_per_s": speed, "run": k} for k, speed in enumerate([3.0, 1.0, 2.0, 4.0])]
+    merged = median_run([*runs, {"status": "failed", "reason": "exit 1"}])
+    assert merged["run"] == 2  # 2.0: the slower middle one of four
+    assert merged["steps_per_s_runs"] == [3.0, 1.0, 2.0, 4.0] and merged["failed_runs"] == 1
+    assert median_run(runs[:1]) == runs[0]  # one run is shown as it is
+
+
+@pytest.mark.slow
+def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
+    result = subprocess.run([sys.executable, "-m", "textclf.bench", "--quick", "--repeats", "2",
+                             "--only", "single_small,plain_pytorch_small",
+                             "--data", str(reviews_csv), "--output_dir", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE})
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+    rows = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text(encoding="utf-8"))}
+    assert set(rows) == {"single_small", "plain_pytorch_small"}
+    for name, row in rows.items():
+        assert len(row["steps_per_s_runs"]) == 2 and row["steps_per_s"] in row["steps_per_s_runs"], name
+        assert all((tmp_path / "runs" / f"round_{k}" / name / "log.jsonl").exists() for k in (1, 2)), name
+    assert "Over 2 alternating rounds" in (tmp_path / "bench.md").read_text(encoding="utf-8")

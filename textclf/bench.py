@@ -3,6 +3,7 @@
     python -m textclf.bench                       # default sizes: under 20 minutes on a 2-core CPU
     python -m textclf.bench --quick               # a smaller job and fewer rows: under 3 minutes
     python -m textclf.bench --data my.csv --output_dir bench_out --only single,plain_pytorch
+    python -m textclf.bench --only single,plain_pytorch --repeats 5   # medians of 5 alternating runs
 
 Rows, each a subprocess started the way a user starts it, one after another:
 - train.py: `single` (`python train.py`, one process, fp32), `lora` (`--lora`), and one row per zoo
@@ -15,8 +16,12 @@ A second job trains a BERT-base-sized model (built from config, no download) thr
 the plain loop, to compare model FLOP/s with the FLOP/s torch reaches on a large fp32 matmul, and,
 in full mode, under DDP, ZeRO-2 and ZeRO-3 to put ZeRO's memory savings beside the theory.
 
+With --repeats N, the rows run N rounds, alternating, so that a slow spell of the machine falls on
+every row alike; each row shows its run of median speed, beside the speeds of all its runs.
+
 Writes DIR/bench.md (tables), DIR/bench.json (a list of rows), DIR/bench.png (throughput and
-memory per strategy), and DIR/runs/<row>/ (each run's log.jsonl and console output).
+memory per strategy), and DIR/runs/<row>/ (each run's log.jsonl and console output; with
+--repeats, DIR/runs/round_<k>/<row>/).
 """
 
 import argparse
@@ -287,6 +292,21 @@ def run_row(row: dict, job: Job, data: str, shape: dict, runs_dir: Path) -> dict
     return result
 
 
+def rounds_dirs(runs_dir: Path, repeats: int) -> list[Path]:
+    """Where each round's runs go: runs_dir itself for a single round, runs_dir/round_<k> for several."""
+    return [runs_dir] if repeats == 1 else [runs_dir / f"round_{k}" for k in range(1, repeats + 1)]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One row's repeated runs as one: the run of median steady-state speed (the slower middle one of an
+    even number), with the speeds of all runs in `steps_per_s_runs`, in the order they ran."""
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if len(runs) == 1 or not ok:
+        return runs[-1]
+    chosen = sorted(ok, key=lambda r: r["steps_per_s"])[(len(ok) - 1) // 2]
+    return {**chosen, "steps_per_s_runs": [r["steps_per_s"] for r in ok], "failed_runs": len(runs) - len(ok)}
+
+
 # --- model FLOPs and ZeRO memory: the theory -----------------------------------------------------------
 
 def model_flops_per_token(shape: dict, lora: bool, tokens_per_sample: float) -> float:
@@ -429,8 +449,13 @@ def rows_table(rows: list[dict]) -> list[str]:
             continue
         memory = r["peak_device_mb_per_rank"] or r["peak_rss_mb_per_rank"]
         note = f" ({r['reason']})" if r.get("reason") else ""
+        if r.get("failed_runs"):
+            note += f" ({r['failed_runs']} of its runs failed)"
+        speed = fmt(r["steps_per_s"], 2)
+        if "steps_per_s_runs" in r:
+            speed += f" ({min(r['steps_per_s_runs']):.2f}-{max(r['steps_per_s_runs']):.2f})"
         out.append("| " + " | ".join([
-            r["name"], r["what"] + note, str(r["processes"]), fmt(r["startup_s"]), fmt(r["steps_per_s"], 2),
+            r["name"], r["what"] + note, str(r["processes"]), fmt(r["startup_s"]), speed,
             fmt(r["samples_per_s"]), fmt(r["real_tokens_per_s"], 0), fmt(r["real_token_fraction"], 3),
             fmt(r["model_flops_per_s"] / 1e9), f"{r['limit_fraction']:.0%}", " / ".join(map(str, memory)),
             fmt(r["theory_model_states_mb"]), fmt(r["eval_accuracy"], 4), fmt(r["wall_s"])]) + " |")
@@ -446,10 +471,17 @@ def compare_with_plain(rows: list[dict], suffix: str) -> list[str]:
     pairs = [(a, b) for a, b in zip(ours["losses"], plain["losses"]) if a is not None and b is not None]
     loss_gap = max(abs(a - b) for a, b in pairs)
     ratios = [a / b for a, b in zip(ours["step_seconds"], plain["step_seconds"])]
-    return [f"train.py `single{suffix}` against `plain_pytorch{suffix}`, same batches in the same order: "
+    line = (f"train.py `single{suffix}` against `plain_pytorch{suffix}`, same batches in the same order: "
             f"largest per-step loss difference {loss_gap:.2g} over {len(pairs)} steps; steady-state step time "
             f"{plain['steps_per_s'] / ours['steps_per_s']:.3f}x the plain loop's in total, "
-            f"{statistics.median(ratios):.3f}x as the median of per-step ratios.", ""]
+            f"{statistics.median(ratios):.3f}x as the median of per-step ratios")
+    if "steps_per_s_runs" not in ours or "steps_per_s_runs" not in plain:
+        return [line + ".", ""]
+    rounds = [b / a for a, b in zip(ours["steps_per_s_runs"], plain["steps_per_s_runs"])]
+    return [line + f" (the median runs). Over {len(rounds)} alternating rounds: step time "
+            f"{statistics.median(plain['steps_per_s_runs']) / statistics.median(ours['steps_per_s_runs']):.3f}x "
+            f"the plain loop's as the ratio of median speeds; per round " + ", ".join(f"{x:.3f}" for x in rounds)
+            + ".", ""]
 
 
 def memory_table(rows: list[dict]) -> list[str]:
@@ -572,7 +604,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--output_dir", default="bench_out", help="where bench.md, bench.json, bench.png go")
     parser.add_argument("--data", default=DEFAULT_DATA, help="training data with train.py's columns (label, review)")
     parser.add_argument("--only", help="comma-separated row names to run (default: all that run here)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the rows this many rounds, alternating, and show each row's median run")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running row is stopped too
     os.environ.update({k: v for k, v in OFFLINE.items() if k not in os.environ})
     out_dir = Path(args.output_dir).resolve()
@@ -601,8 +637,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             shape = prepare_job(job, job_file)
             deepspeed_rows = [r for r in rows if r.get("zero_stage") is not None and "skipped" not in r]
             deepspeed_ops = warm_deepspeed_ops() if deepspeed_rows else None
-            results = [row if "skipped" in row else run_row(row, job, job_file, shape, out_dir / "runs")
-                       for row in rows]
+            rounds = [[row if "skipped" in row else run_row(row, job, job_file, shape, runs_dir) for row in rows]
+                      for runs_dir in rounds_dirs(out_dir / "runs", args.repeats)]
+            results = [median_run(list(runs)) for runs in zip(*rounds)]
             sections.append({"job": job, "shape": shape, "rows": results, "data_name": data,
                              "deepspeed_ops": deepspeed_ops})
             write_report(out_dir, machine, matmuls, sections, argv)  # a partial report survives a later failure
