@@ -525,22 +525,20 @@ How to read it: startup is launch to the end of the first optimizer step. Steady
 end of the warm-up steps to the last step, by the wall-clock stamps of log.jsonl, so the loop's
 logging counts and evaluation and export do not. Real tokens exclude padding. Model FLOP/s =
 (6 x non-embedding parameters + 12 x layers x hidden x tokens per sample) x real tokens/s (LoRA:
-4N + 2 x trainable), against the matmul limit above (times the GPUs a GPU row uses). Peak memory is
-resident memory per rank on a CPU, sampled every {every} s; on a GPU, the device memory each rank
-holds (nvidia-smi). Theory states: weights, gradients and Adam states per rank by the ZeRO paper,
+4N + 2 x trainable), against the matmul limit measured just before or after the row, whichever is
+higher (times the GPUs a GPU row uses). Peak memory is resident memory per rank on a CPU, sampled
+every {every} s; on a GPU, the device memory each rank holds (nvidia-smi). Theory states: weights, gradients and Adam states per rank by the ZeRO paper,
 4+4+8 bytes per parameter in fp32, 2+2+12 in mixed precision."""
 
 
 def write_report(out_dir: Path, machine: dict, matmuls: list[dict], sections: list[dict], argv: list[str]) -> None:
     rows = [r for section in sections for r in section["rows"]]
-    # Other load on the machine only lowers a measurement: the highest is the closest to the hardware's.
-    matmul = max(matmuls, key=lambda m: m["flops_per_s"])
     for r in (r for r in rows if r.get("status") == "ok"):
         # The CPU's limit is measured on all its cores, which every row uses; a GPU's is per GPU.
-        devices = r["processes"] if matmul["device"] == "cuda" else 1
-        r["matmul_limit_flops_per_s"] = matmul["flops_per_s"] * devices
+        devices = r["processes"] if r["matmul_limit"]["device"] == "cuda" else 1
+        r["matmul_limit_flops_per_s"] = r["matmul_limit"]["flops_per_s"] * devices
         r["limit_fraction"] = r["model_flops_per_s"] / r["matmul_limit_flops_per_s"]
-    measured = " and ".join(f"{m['flops_per_s'] / 1e9:.1f}" for m in matmuls)
+    matmul, limits = matmuls[0], sorted(m["flops_per_s"] / 1e9 for m in matmuls)
     with open(out_dir / "bench.json", "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
     v = machine["versions"]
@@ -549,10 +547,10 @@ def write_report(out_dir: Path, machine: dict, matmuls: list[dict], sections: li
              f"logical), {machine['memory_gb']} GB" + (f"; GPUs: {', '.join(machine['gpus'])}" if machine["gpus"] else
                                                         "; no GPU") + f"; {machine['os']}.",
              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".",
-             f"Matmul limit: {matmul['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 {matmul['size']}x{matmul['size']} on "
-             f"{matmul['device']}, {matmul['threads']} threads, median of {matmul['repeats']}; "
-             + (f"the higher of {measured}, measured before and after the rows)." if len(matmuls) > 1 else
-                "measured before the rows)."), ""]
+             f"Matmul limit: {limits[0]:.1f} to {limits[-1]:.1f} GFLOP/s, median {statistics.median(limits):.1f} "
+             f"(fp32 {matmul['size']}x{matmul['size']} on {matmul['device']}, {matmul['threads']} threads, median of "
+             f"{matmul['repeats']} products; measured {len(matmuls)} times, before the first row and after each). "
+             "Each row's fraction is against the higher of the measurements just before and after it.", ""]
     for section in sections:
         job, shape = section["job"], section["shape"]
         lines += [f"## `{job.model}` on {Path(section['data_name']).name}", "",
@@ -622,9 +620,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"unknown row(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
 
     machine = describe_machine()
-    repeats = 5 if args.quick else 20
-    matmuls = [matmul_limit(repeats)]
+    matmul_repeats = 5 if args.quick else 20
+    # The machine's speed drifts (other tenants of a VM), so the limit is measured before the first row and
+    # after every row, and each row is held against the higher of the two measurements around it.
+    matmuls = [matmul_limit(matmul_repeats)]
     print(f"[bench] matmul limit {matmuls[0]['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
+
+    def run_measured(row, job, job_file, shape, runs_dir):
+        result = run_row(row, job, job_file, shape, runs_dir)
+        matmuls.append(matmul_limit(matmul_repeats))
+        result["matmul_limit"] = max(matmuls[-2:], key=lambda m: m["flops_per_s"])
+        return result
+
     sections = []
     with tempfile.TemporaryDirectory(prefix="textclf-bench-") as scratch:
         for job in plan_jobs(args.quick):
@@ -637,14 +644,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             shape = prepare_job(job, job_file)
             deepspeed_rows = [r for r in rows if r.get("zero_stage") is not None and "skipped" not in r]
             deepspeed_ops = warm_deepspeed_ops() if deepspeed_rows else None
-            rounds = [[row if "skipped" in row else run_row(row, job, job_file, shape, runs_dir) for row in rows]
+            rounds = [[row if "skipped" in row else run_measured(row, job, job_file, shape, runs_dir) for row in rows]
                       for runs_dir in rounds_dirs(out_dir / "runs", args.repeats)]
             results = [median_run(list(runs)) for runs in zip(*rounds)]
             sections.append({"job": job, "shape": shape, "rows": results, "data_name": data,
                              "deepspeed_ops": deepspeed_ops})
             write_report(out_dir, machine, matmuls, sections, argv)  # a partial report survives a later failure
-    matmuls.append(matmul_limit(repeats))
-    write_report(out_dir, machine, matmuls, sections, argv)
     failed = [r["name"] for s in sections for r in s["rows"] if r.get("status") == "failed"]
     print(f"[bench] wrote {out_dir}/bench.md, bench.json, bench.png" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)
