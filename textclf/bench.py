@@ -527,8 +527,9 @@ logging counts and evaluation and export do not. Real tokens exclude padding. Mo
 (6 x non-embedding parameters + 12 x layers x hidden x tokens per sample) x real tokens/s (LoRA:
 4N + 2 x trainable), against the matmul limit measured just before or after the row, whichever is
 higher (times the GPUs a GPU row uses). Peak memory is resident memory per rank on a CPU, sampled
-every {every} s; on a GPU, the device memory each rank holds (nvidia-smi). Theory states: weights, gradients and Adam states per rank by the ZeRO paper,
-4+4+8 bytes per parameter in fp32, 2+2+12 in mixed precision."""
+every {every} s; on a GPU, the device memory each rank holds (nvidia-smi). Theory states: weights,
+gradients and Adam states per rank by the ZeRO paper, 4+4+8 bytes per parameter in fp32, 2+2+12 in
+mixed precision."""
 
 
 def write_report(out_dir: Path, machine: dict, matmuls: list[dict], sections: list[dict], argv: list[str]) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from .config import InputError, TrainConfig, parse_config
 from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, scratch_config, scratch_size
+from .runtime import COMPILE_REFUSED
 
 PRECISIONS = ("no", "fp16", "bf16")
 # Bytes per parameter for weights, gradients and Adam's states (ZeRO paper, Rajbhandari et al. 2020,
@@ -61,7 +62,7 @@ def read_launch(args: argparse.Namespace) -> dict:
     if path is None:
         return {"path": None, "distributed_type": "NO", "num_processes": args.num_processes or 1,
                 "num_machines": args.num_machines or 1, "mixed_precision": None, "deepspeed": {}, "fsdp": {},
-                "use_cpu": False, "main_process_ip": None, "mpirun": {}}
+                "use_cpu": False, "main_process_ip": None, "mpirun": {}, "dynamo_backend": "NO"}
     if not os.path.isfile(path):
         raise InputError(f"accelerate config not found: {path}")
     try:
@@ -80,7 +81,8 @@ def read_launch(args: argparse.Namespace) -> dict:
             "num_machines": args.num_machines or yaml_config.num_machines,
             "mixed_precision": mixed_precision, "deepspeed": yaml_config.deepspeed_config or {},
             "fsdp": yaml_config.fsdp_config or {}, "use_cpu": yaml_config.use_cpu,
-            "main_process_ip": yaml_config.main_process_ip, "mpirun": yaml_config.mpirun_config or {}}
+            "main_process_ip": yaml_config.main_process_ip, "mpirun": yaml_config.mpirun_config or {},
+            "dynamo_backend": str((yaml_config.dynamo_config or {}).get("dynamo_backend", "NO")).upper()}
 
 
 def read_deepspeed(launch: dict, conflicts: list[str]) -> tuple[Optional[dict], str]:
@@ -180,6 +182,8 @@ def check_topology(launch: dict, conflicts: list[str]) -> None:
     if kind == "MULTI_CPU" and processes > 1 and not launch["mpirun"]:
         conflicts.append(f"{path}: distributed_type MULTI_CPU starts a single process without mpirun, not "
                          f"{processes}; use MULTI_GPU as accelerate_configs/cpu.yaml does (train.py uses gloo on CPU)")
+    if launch["dynamo_backend"] != "NO":
+        conflicts.append(f"{path}: dynamo_backend {launch['dynamo_backend']}: {COMPILE_REFUSED}")
     if kind == "MULTI_GPU" and launch["use_cpu"]:
         conflicts.append(f"{path}: use_cpu true with MULTI_GPU starts {processes} independent single-process runs, "
                          "not one group; set use_cpu: false (train.py uses gloo where there is no CUDA)")

@@ -7,9 +7,15 @@ import sys
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 
 from .config import InputError, TrainConfig
+
+# torch.compile is refused rather than half supported: measured on a CPU it made training slower (README,
+# "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
+COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager (README, "
+                   "\"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, which export, "
+                   "predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -38,6 +44,9 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
     )
+    dynamo_backend = accelerator.state.dynamo_plugin.backend
+    if dynamo_backend != DynamoBackend.NO:
+        raise InputError(f"dynamo_backend is {dynamo_backend.value.lower()}: {COMPILE_REFUSED}")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
         # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
