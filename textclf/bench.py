@@ -621,7 +621,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"unknown row(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
 
     machine = describe_machine()
-    matmul_repeats = 5 if args.quick else 20
+    matmul_repeats = 5 if args.quick else 10
     # The machine's speed drifts (other tenants of a VM), so the limit is measured before the first row and
     # after every row, and each row is held against the higher of the two measurements around it.
     matmuls = [matmul_limit(matmul_repeats)]
