@@ -183,7 +183,9 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
         try:
             while proc.poll() is None and time.time() - launched_at < timeout_s:
                 gpu_memory = gpu_memory_by_pid() if torch.cuda.is_available() else {}
-                for p in [root, *safe(root.children, recursive=True, default=[])]:
+                tree = [root, *safe(root.children, recursive=True, default=[])]
+                pids = {p.pid for p in tree}
+                for p in tree:
                     rss = safe(lambda: p.memory_info().rss)
                     if rss is None:
                         continue
@@ -191,8 +193,9 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
                     peak_gpu[p.pid] = max(peak_gpu.get(p.pid, 0), gpu_memory.get(p.pid, 0))
                     if p.pid not in rank_of:  # read until seen after exec: a fresh fork shows its parent's environment
                         rank = safe(lambda: p.environ().get("RANK"))
-                        parent_rank = safe(lambda: p.parent().environ().get("RANK"))
-                        if rank is not None and parent_rank is None:
+                        # Unknown (unreadable, or out of the tree) is not "no RANK": a rank's helper is no rank.
+                        parent_env = safe(lambda: p.parent().environ()) if safe(p.ppid) in pids else None
+                        if rank is not None and parent_env is not None and "RANK" not in parent_env:
                             rank_of[p.pid] = int(rank)
                 time.sleep(SAMPLE_EVERY_S)
         finally:
