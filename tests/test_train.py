@@ -160,7 +160,8 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(case, tmp_path, cache_di
 
 def test_torch_compile_from_the_launch_line_is_refused_before_anything_is_written(tmp_path, cache_dir):
     out = tmp_path / "out"
-    result = run_train([*TINY, "--cache_dir", cache_dir, "--output_dir", out], config_file=REPO / "accelerate_configs" / "cpu.yaml",
+    result = run_train([*TINY, "--cache_dir", cache_dir, "--output_dir", out],
+                       config_file=REPO / "accelerate_configs" / "cpu.yaml",
                        extra_launch_args=["--num_processes", "1", "--dynamo_backend", "inductor"], check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

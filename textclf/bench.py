@@ -302,12 +302,18 @@ def rounds_dirs(runs_dir: Path, repeats: int) -> list[Path]:
 
 def median_run(runs: list[dict]) -> dict:
     """One row's repeated runs as one: the run of median steady-state speed (the slower middle one of an
-    even number), with the speeds of all runs in `steps_per_s_runs`, in the order they ran."""
+    even number), with every round's speed in `steps_per_s_runs` (None for a failed run), so that two
+    rows' lists pair round by round."""
     ok = [r for r in runs if r.get("status") == "ok"]
     if len(runs) == 1 or not ok:
         return runs[-1]
     chosen = sorted(ok, key=lambda r: r["steps_per_s"])[(len(ok) - 1) // 2]
-    return {**chosen, "steps_per_s_runs": [r["steps_per_s"] for r in ok], "failed_runs": len(runs) - len(ok)}
+    return {**chosen, "steps_per_s_runs": [r.get("steps_per_s") if r.get("status") == "ok" else None for r in runs],
+            "failed_runs": len(runs) - len(ok)}
+
+
+def measured(speeds: list) -> list[float]:
+    return [speed for speed in speeds if speed is not None]
 
 
 # --- model FLOPs and ZeRO memory: the theory -----------------------------------------------------------
@@ -456,7 +462,7 @@ def rows_table(rows: list[dict]) -> list[str]:
             note += f" ({r['failed_runs']} of its runs failed)"
         speed = fmt(r["steps_per_s"], 2)
         if "steps_per_s_runs" in r:
-            speed += f" ({min(r['steps_per_s_runs']):.2f}-{max(r['steps_per_s_runs']):.2f})"
+            speed += f" ({min(measured(r['steps_per_s_runs'])):.2f}-{max(measured(r['steps_per_s_runs'])):.2f})"
         out.append("| " + " | ".join([
             r["name"], r["what"] + note, str(r["processes"]), fmt(r["startup_s"]), speed,
             fmt(r["samples_per_s"]), fmt(r["real_tokens_per_s"], 0), fmt(r["real_token_fraction"], 3),
@@ -480,9 +486,10 @@ def compare_with_plain(rows: list[dict], suffix: str) -> list[str]:
             f"{statistics.median(ratios):.3f}x as the median of per-step ratios")
     if "steps_per_s_runs" not in ours or "steps_per_s_runs" not in plain:
         return [line + ".", ""]
-    rounds = [b / a for a, b in zip(ours["steps_per_s_runs"], plain["steps_per_s_runs"])]
+    rounds = [b / a for a, b in zip(ours["steps_per_s_runs"], plain["steps_per_s_runs"]) if a and b]
+    medians = [statistics.median(measured(row["steps_per_s_runs"])) for row in (ours, plain)]
     return [line + f" (the median runs). Over {len(rounds)} alternating rounds: step time "
-            f"{statistics.median(plain['steps_per_s_runs']) / statistics.median(ours['steps_per_s_runs']):.3f}x "
+            f"{medians[1] / medians[0]:.3f}x "
             f"the plain loop's as the ratio of median speeds; per round " + ", ".join(f"{x:.3f}" for x in rounds)
             + ".", ""]
 
