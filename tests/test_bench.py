@@ -40,6 +40,8 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
 
     table = (tmp_path / "bench.md").read_text(encoding="utf-8")
     assert all(f"| {row['name']} |" in table for row in rows)
+    assert "## Padding over one epoch of reviews.csv" in table
+    assert "train.py `single` against `hf_trainer` (transformers.Trainer, train.py's settings), the same examples" in table
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -67,3 +69,26 @@ def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
         assert len(row["steps_per_s_runs"]) == 2 and row["steps_per_s"] in row["steps_per_s_runs"], name
         assert all((tmp_path / "runs" / f"round_{k}" / name / "log.jsonl").exists() for k in (1, 2)), name
     assert "Over 2 alternating rounds" in (tmp_path / "bench.md").read_text(encoding="utf-8")
+
+
+def test_a_job_trains_exactly_one_epoch_of_examples_held_apart_from_its_eval_set(tmp_path, reviews_csv):
+    from textclf.bench import Job, job_data
+    from textclf.data import load_table
+
+    job = Job("scratch-mini", steps=5, eval_rows=40)
+    train_file, eval_file = job_data(job, str(reviews_csv), str(tmp_path))
+    train, held_out = load_table(train_file), load_table(eval_file)
+    assert len(train) == 5 * 32 and len(held_out) == 40
+    assert train.column_names == ["label", "review"]  # train.py's default columns
+    assert not set(train["review"]) & set(held_out["review"])
+    assert load_table(job_data(job, str(reviews_csv), str(tmp_path))[0])["review"] == train["review"]  # seeded
+
+
+def test_data_too_small_for_the_job_is_one_clear_line_and_writes_nothing(tmp_path, reviews_csv):
+    result = subprocess.run([sys.executable, "-m", "textclf.bench", "--data", str(reviews_csv), "--only", "single",
+                             "--output_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, **OFFLINE})
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {reviews_csv} has 240 examples with text; the benchmark's scratch-mini job needs 2920 "
+        "(1920 to train one epoch of 60 steps, 1000 to evaluate)")

@@ -12,9 +12,12 @@ Rows, each a subprocess started the way a user starts it, one after another:
   with the reason they were skipped.
 - the baselines of textclf/bench_baselines.py: `plain_pytorch` (a hand-written loop on the same
   batches), `hf_trainer` (transformers.Trainer, settings equal to train.py's), `hf_trainer_default`.
-A second job trains a BERT-base-sized model (built from config, no download) through train.py and
-the plain loop, to compare model FLOP/s with the FLOP/s torch reaches on a large fp32 matmul, and,
-in full mode, under DDP, ZeRO-2 and ZeRO-3 to put ZeRO's memory savings beside the theory.
+A job trains one epoch of a seeded sample of the data, so every row trains on the same examples,
+in whatever order its sampler draws them. A second job trains a BERT-base-sized model (built from
+config, no download) through train.py and the plain loop, to compare model FLOP/s with the FLOP/s
+torch reaches on a large fp32 matmul, and, in full mode, under DDP, ZeRO-2 and ZeRO-3 to put ZeRO's
+memory savings beside the theory. Before the rows, the padding of one epoch of the whole data in
+train.py's order, the Trainer's and a random one (lengths only, no training).
 
 With --repeats N, the rows run N rounds, alternating, so that a slow spell of the machine falls on
 every row alike; each row shows its run of median speed, beside the speeds of all its runs.
@@ -46,10 +49,13 @@ from typing import Optional
 import psutil
 import torch
 import yaml
+from torch.utils.data import RandomSampler
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from .bench_baselines import BASELINES
-from .config import TrainConfig
-from .data import DEFAULT_DATA, fingerprint, load_splits, load_table, tokenize
+from .config import InputError, TrainConfig, run_command
+from .data import (DEFAULT_DATA, EpochLengthGroupedSampler, fingerprint, load_splits, load_table, select_columns,
+                   tokenize)
 from .modeling import apply_lora, build_model, get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,30 +70,41 @@ SAMPLE_EVERY_S = 0.2
 
 @dataclass(frozen=True)
 class Job:
-    """One training job, run unchanged under each of its rows."""
+    """One training job, run unchanged under each of its rows.
+
+    The job trains exactly one epoch: its training set is a seeded sample of steps x global_batch
+    examples. So every row trains on the same examples, whatever order its sampler draws them in,
+    and rows with different samplers (the Trainer's) compare on the same work, not on different
+    slices of an epoch.
+    """
 
     model: str
-    steps: int  # optimizer steps
-    warmup_steps: int  # steps left out of the steady-state figures (first allocations, lazy inits)
-    data_rows: Optional[int]  # a seeded sample of this many examples of the data, or all of it
+    steps: int  # optimizer steps: one epoch
+    eval_rows: int  # held-out examples for the final evaluation
     rows: Optional[tuple] = None  # the rows to run; None: all
     left_out: Optional[str] = None  # why the other rows do not run, to list them; None: do not list them
     suffix: str = ""  # appended to row names, so that rows of different jobs stay apart
     global_batch: int = 32
     max_length: int = 128
     seed: int = 42
+    # Steps left out of the steady-state figures. The first pays for first allocations and lazy
+    # inits; every length-grouped order (train.py's, the Trainer's) puts the batch holding the
+    # longest example first, so all of them leave out alike.
+    warmup_steps: int = 1
+
+    @property
+    def train_rows(self) -> int:
+        return self.steps * self.global_batch
 
 
 def plan_jobs(quick: bool) -> list[Job]:
     if quick:
-        return [Job("scratch-mini", steps=8, warmup_steps=2, data_rows=2000,
-                    rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2"),
-                    left_out="left out by --quick"),
-                Job("scratch-small", steps=4, warmup_steps=1, data_rows=1000, rows=("single", "plain_pytorch"),
-                    suffix="_small")]
-    return [Job("scratch-mini", steps=60, warmup_steps=10, data_rows=None),
-            Job("scratch-base", steps=8, warmup_steps=2, data_rows=2400,
-                rows=("single", "plain_pytorch", "cpu", "zero2", "zero3"), suffix="_base")]
+        return [Job("scratch-mini", steps=6, eval_rows=48,
+                    rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2"), left_out="left out by --quick"),
+                Job("scratch-small", steps=4, eval_rows=48, rows=("single", "plain_pytorch"), suffix="_small")]
+    return [Job("scratch-mini", steps=60, eval_rows=1000),
+            Job("scratch-base", steps=8, eval_rows=240, rows=("single", "plain_pytorch", "cpu", "zero2", "zero3"),
+                suffix="_base")]
 
 
 # --- which rows, and how each is launched ---------------------------------------------------------------
@@ -140,9 +157,9 @@ def deepspeed_settings(spec: dict) -> dict:
     return dict(zero_stage=zero.get("stage", 0), offload=offload)
 
 
-def train_args(job: Job, data: str, processes: int, output_dir: Path) -> list[str]:
-    """train.py's options for this job; the baselines take the same ones."""
-    return ["--model", job.model, "--data", data, "--max_length", str(job.max_length),
+def train_args(job: Job, files: tuple[str, str], processes: int, output_dir: Path) -> list[str]:
+    """train.py's options for this job (files: its training and evaluation data); the baselines take the same."""
+    return ["--model", job.model, "--data", files[0], "--eval_data", files[1], "--max_length", str(job.max_length),
             "--per_device_train_batch_size", str(job.global_batch // processes), "--max_steps", str(job.steps),
             "--seed", str(job.seed), "--logging_steps", "1", "--save_steps", str(job.steps + 1),  # no checkpoint
             "--report_to", "none", "--output_dir", str(output_dir), "--overwrite_output_dir"]
@@ -259,12 +276,12 @@ def read_log(log_path: Path, launched_at: float, global_batch: int, warmup_steps
             "losses": [line.get("loss") for line in steps]}
 
 
-def run_row(row: dict, job: Job, data: str, shape: dict, runs_dir: Path) -> dict:
+def run_row(row: dict, job: Job, files: tuple[str, str], shape: dict, runs_dir: Path) -> dict:
     """Run one row and turn its measurements into the row's figures."""
     output_dir = runs_dir / row["name"]
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
-    cmd = command(row, train_args(job, data, row["processes"], output_dir))
+    cmd = command(row, train_args(job, files, row["processes"], output_dir))
     print(f"[bench] {row['name']}: {' '.join(cmd[1:])}", flush=True)
     result = {**row, "model": job.model, "command": " ".join(["python", *cmd[1:]]),
               **run_sampled(cmd, output_dir / "console.log", ROW_TIMEOUT_S)}
@@ -302,13 +319,14 @@ def rounds_dirs(runs_dir: Path, repeats: int) -> list[Path]:
 
 def median_run(runs: list[dict]) -> dict:
     """One row's repeated runs as one: the run of median steady-state speed (the slower middle one of an
-    even number), with every round's speed in `steps_per_s_runs` (None for a failed run), so that two
-    rows' lists pair round by round."""
+    even number), with every round's speeds in `steps_per_s_runs` and `real_tokens_per_s_runs` (None for
+    a failed run), so that two rows' lists pair round by round."""
     ok = [r for r in runs if r.get("status") == "ok"]
     if len(runs) == 1 or not ok:
         return runs[-1]
     chosen = sorted(ok, key=lambda r: r["steps_per_s"])[(len(ok) - 1) // 2]
-    return {**chosen, "steps_per_s_runs": [r.get("steps_per_s") if r.get("status") == "ok" else None for r in runs],
+    return {**chosen, **{f"{key}_runs": [r.get(key) if r.get("status") == "ok" else None for r in runs]
+                         for key in ("steps_per_s", "real_tokens_per_s")},
             "failed_runs": len(runs) - len(ok)}
 
 
@@ -371,21 +389,29 @@ def matmul_limit(repeats: int) -> dict:
 
 # --- data and model, prepared once per job ------------------------------------------------------------
 
-def job_data(job: Job, data: str, folder: str) -> str:
-    """The job's data file: all of `data`, or a seeded sample of job.data_rows examples written as CSV."""
-    if job.data_rows is None:
-        return data
-    table = load_table(data)
-    if len(table) > job.data_rows:
-        table = table.shuffle(seed=job.seed).select(range(job.data_rows))
-    path = os.path.join(folder, f"{Path(data).stem}_{job.data_rows}.csv")
-    table.to_csv(path, index=False)
-    return path
+def job_data(job: Job, data: str, folder: str) -> tuple[str, str]:
+    """The job's training and evaluation files: disjoint seeded samples of `data`, written as CSV.
+
+    The training file holds exactly job.train_rows examples, one epoch of job.steps full batches.
+    """
+    defaults = TrainConfig()
+    table = select_columns(load_table(data), data, defaults.text_column, defaults.label_column)
+    needed = job.train_rows + job.eval_rows
+    if len(table) < needed:
+        raise InputError(f"{data} has {len(table)} examples with text; the benchmark's {job.model} job needs "
+                         f"{needed} ({job.train_rows} to train one epoch of {job.steps} steps, {job.eval_rows} "
+                         "to evaluate)")
+    table = table.shuffle(seed=job.seed).rename_column("text", defaults.text_column)
+    paths = []
+    for split, rows in (("train", range(job.eval_rows, needed)), ("eval", range(job.eval_rows))):
+        paths.append(os.path.join(folder, f"{Path(data).stem}_{job.model}_{split}_{len(rows)}.csv"))
+        table.select(rows).to_csv(paths[-1], index=False)
+    return paths[0], paths[1]
 
 
-def prepare_job(job: Job, data: str) -> dict:
+def prepare_job(job: Job, train_file: str, eval_file: str) -> dict:
     """Tokenizer and tokenized data made once here, so that no row's startup pays for them; the model's shape."""
-    cfg = TrainConfig(model=job.model, data=data, max_length=job.max_length, seed=job.seed)
+    cfg = TrainConfig(model=job.model, data=train_file, eval_data=eval_file, max_length=job.max_length, seed=job.seed)
     train_set, eval_set, labels = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
                                               cfg.eval_split, cfg.seed)
     tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
@@ -399,6 +425,39 @@ def prepare_job(job: Job, data: str) -> dict:
             "non_embedding_params": params - embedding, "layers": model.config.num_hidden_layers,
             "hidden": model.config.hidden_size, "lora_params": sum(p.numel() for p in lora.parameters()),
             "lora_trainable": sum(p.numel() for p in lora.parameters() if p.requires_grad)}
+
+
+PADDING_ORDERS = {  # name: the batch order
+    "train.py": "train.py's length groups (the default)",
+    "hf_trainer": "the Trainer's `group_by_length`",
+    "random": "random batches (`--no_group_by_length`; the Trainer's default)",
+}
+
+
+def epoch_padding(cfg: TrainConfig) -> dict:
+    """How much of what a model processes is real over one epoch of `python train.py` with `cfg`.
+
+    The training split, tokenizer, micro-batch and max_length are cfg's (train.py's defaults unless
+    changed); only the order of the batches changes, one order per PADDING_ORDERS entry. Lengths
+    alone decide a batch's padding, so no model runs.
+    """
+    train_set, _, _ = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column, cfg.eval_split,
+                                  cfg.seed)
+    tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
+    lengths = tokenize(train_set, tokenizer, cfg.max_length)["length"][:]
+    batch = cfg.per_device_train_batch_size
+    samplers = {
+        "train.py": EpochLengthGroupedSampler(lengths, batch, cfg.seed),
+        "hf_trainer": LengthGroupedSampler(batch, lengths=lengths, generator=torch.Generator().manual_seed(cfg.seed)),
+        "random": RandomSampler(lengths, generator=torch.Generator().manual_seed(cfg.seed)),
+    }
+    fractions = {}
+    for name, sampler in samplers.items():
+        order = [lengths[i] for i in sampler]
+        batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+        fractions[name] = sum(order) / sum(len(b) * max(b) for b in batches)  # padded to its longest
+    return {"data": cfg.data, "examples": len(lengths), "batch": batch, "max_length": cfg.max_length,
+            "real_token_fraction": fractions}
 
 
 def warm_deepspeed_ops() -> str:
@@ -480,18 +539,36 @@ def compare_with_plain(rows: list[dict], suffix: str) -> list[str]:
     pairs = [(a, b) for a, b in zip(ours["losses"], plain["losses"]) if a is not None and b is not None]
     loss_gap = max(abs(a - b) for a, b in pairs)
     ratios = [a / b for a, b in zip(ours["step_seconds"], plain["step_seconds"])]
-    line = (f"train.py `single{suffix}` against `plain_pytorch{suffix}`, same batches in the same order: "
+    return [f"train.py `single{suffix}` against `plain_pytorch{suffix}`, same batches in the same order: "
             f"largest per-step loss difference {loss_gap:.2g} over {len(pairs)} steps; steady-state step time "
             f"{plain['steps_per_s'] / ours['steps_per_s']:.3f}x the plain loop's in total, "
-            f"{statistics.median(ratios):.3f}x as the median of per-step ratios")
-    if "steps_per_s_runs" not in ours or "steps_per_s_runs" not in plain:
-        return [line + ".", ""]
-    rounds = [b / a for a, b in zip(ours["steps_per_s_runs"], plain["steps_per_s_runs"]) if a and b]
-    medians = [statistics.median(measured(row["steps_per_s_runs"])) for row in (ours, plain)]
-    return [line + f" (the median runs). Over {len(rounds)} alternating rounds: step time "
-            f"{medians[1] / medians[0]:.3f}x "
-            f"the plain loop's as the ratio of median speeds; per round " + ", ".join(f"{x:.3f}" for x in rounds)
-            + ".", ""]
+            f"{statistics.median(ratios):.3f}x as the median of per-step ratios"
+            + over_rounds(plain, ours, "steps_per_s", "step time"), ""]
+
+
+def compare_with_trainer(rows: list[dict], suffix: str) -> list[str]:
+    """train.py (single) against the Trainer rows in real tokens/s: the same examples, one epoch, each in its order."""
+    by_name = {r["name"]: r for r in rows if r.get("status") == "ok"}
+    ours = by_name.get("single" + suffix)
+    lines = []
+    for trainer in (by_name.get(name + suffix) for name in ("hf_trainer", "hf_trainer_default")):
+        if ours and trainer:
+            ratio = ours["real_tokens_per_s"] / trainer["real_tokens_per_s"]
+            lines += [f"train.py `{ours['name']}` against `{trainer['name']}` ({trainer['what']}), the same examples "
+                      f"in one epoch: real tokens/s {ours['real_tokens_per_s']:,.0f} against "
+                      f"{trainer['real_tokens_per_s']:,.0f}, **{ratio:.3f}x**"
+                      + over_rounds(ours, trainer, "real_tokens_per_s", "real tokens/s"), ""]
+    return lines
+
+
+def over_rounds(a: dict, b: dict, key: str, what: str) -> str:
+    """With --repeats: a's speed over b's as the ratio of their median runs, and round by round."""
+    if f"{key}_runs" not in a or f"{key}_runs" not in b:
+        return "."
+    rounds = [x / y for x, y in zip(a[f"{key}_runs"], b[f"{key}_runs"]) if x and y]
+    medians = [statistics.median(measured(row[f"{key}_runs"])) for row in (a, b)]
+    return (f" (the median runs). Over {len(rounds)} alternating rounds: {what} {medians[0] / medians[1]:.3f}x as the "
+            "ratio of median speeds; per round " + ", ".join(f"{x:.3f}" for x in rounds) + ".")
 
 
 def memory_table(rows: list[dict]) -> list[str]:
@@ -514,8 +591,8 @@ def memory_table(rows: list[dict]) -> list[str]:
 
 
 SETTINGS_NOTE = """\
-Equal in every row of a job: data and split, tokenizer, model and its initial weights (seed), sequence
-length, global batch, optimizer steps. train.py rows and `plain_pytorch` also share the batches
+Equal in every row of a job: the training examples (one epoch of them) and the eval examples, tokenizer,
+model and its initial weights (seed), sequence length, global batch, optimizer steps. train.py rows and `plain_pytorch` also share the batches
 themselves (textclf.data: same collation, length grouping and order), AdamW with the same lr, weight
 decay, betas and eps, the linear warmup schedule and gradient clipping. `hf_trainer` has those same
 settings through TrainingArguments (`optim="adamw_torch"`, `warmup_steps`, `train_sampling_strategy=
@@ -532,8 +609,9 @@ buckets. Offload moves states from GPU memory to host memory, so on a CPU it sav
 
 HOW_NOTE = """\
 How to read it: startup is launch to the end of the first optimizer step. Steady state runs from the
-end of the warm-up steps to the last step, by the wall-clock stamps of log.jsonl, so the loop's
-logging counts and evaluation and export do not. Real tokens exclude padding. Model FLOP/s =
+end of the warm-up step (the batch with the longest example, first in every length-grouped order) to
+the last step, by the wall-clock stamps of log.jsonl, so the loop's logging counts and evaluation and
+export do not. Real tokens exclude padding. Model FLOP/s =
 (6 x non-embedding parameters + 12 x layers x hidden x tokens per sample) x real tokens/s (LoRA:
 4N + 2 x trainable), against the matmul limit measured just before or after the row, whichever is
 higher (times the GPUs a GPU row uses). Peak memory is resident memory per rank on a CPU, sampled
@@ -542,7 +620,9 @@ gradients and Adam states per rank by the ZeRO paper, 4+4+8 bytes per parameter 
 mixed precision."""
 
 
-def write_report(out_dir: Path, machine: dict, matmuls: list[dict], sections: list[dict], argv: list[str]) -> None:
+def write_report(out_dir: Path, machine: dict, matmuls: list[dict], padding: dict, sections: list[dict],
+                 argv: list[str]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
     rows = [r for section in sections for r in section["rows"]]
     for r in (r for r in rows if r.get("status") == "ok"):
         # The CPU's limit is measured on all its cores, which every row uses; a GPU's is per GPU.
@@ -561,22 +641,35 @@ def write_report(out_dir: Path, machine: dict, matmuls: list[dict], sections: li
              f"Matmul limit: {limits[0]:.1f} to {limits[-1]:.1f} GFLOP/s, median {statistics.median(limits):.1f} "
              f"(fp32 {matmul['size']}x{matmul['size']} on {matmul['device']}, {matmul['threads']} threads, median of "
              f"{matmul['repeats']} products; measured {len(matmuls)} times, before the first row and after each). "
-             "Each row's fraction is against the higher of the measurements just before and after it.", ""]
+             "Each row's fraction is against the higher of the measurements just before and after it.", "",
+             *padding_table(padding)]
     for section in sections:
         job, shape = section["job"], section["shape"]
         lines += [f"## `{job.model}` on {Path(section['data_name']).name}", "",
                   f"{shape['params'] / 1e6:.1f}M parameters ({shape['non_embedding_params'] / 1e6:.1f}M outside "
-                  f"embeddings; LoRA trains {shape['lora_trainable'] / 1e6:.2f}M); {shape['train_examples']} train / "
-                  f"{shape['eval_examples']} eval examples; max_length {job.max_length}, global batch "
-                  f"{job.global_batch}, {job.steps} optimizer steps (steady state over the last "
-                  f"{job.steps - job.warmup_steps}), seed {job.seed}."
+                  f"embeddings; LoRA trains {shape['lora_trainable'] / 1e6:.2f}M); one epoch: "
+                  f"{shape['train_examples']} training examples (a seeded sample), {job.steps} optimizer steps of "
+                  f"global batch {job.global_batch} "
+                  f"(steady state over the last {job.steps - job.warmup_steps}); {shape['eval_examples']} eval "
+                  f"examples; max_length {job.max_length}, seed {job.seed}."
                   + (f" DeepSpeed's C++ ops built or loaded before the rows: {section['deepspeed_ops']}."
                      if section["deepspeed_ops"] else ""), "",
                   *rows_table(section["rows"]), "", *compare_with_plain(section["rows"], job.suffix),
+                  *compare_with_trainer(section["rows"], job.suffix),
                   *memory_table(section["rows"])]
     lines += [SETTINGS_NOTE, "", HOW_NOTE.format(every=SAMPLE_EVERY_S), ""]
     (out_dir / "bench.md").write_text("\n".join(lines), encoding="utf-8")
     plot(out_dir / "bench.png", sections[0], machine)
+
+
+def padding_table(padding: dict) -> list[str]:
+    return [f"## Padding over one epoch of {Path(padding['data']).name}, as `python train.py` trains it", "",
+            f"{padding['examples']:,} training examples, micro-batch {padding['batch']}, max_length "
+            f"{padding['max_length']}: the share of the tokens processed that are real, by batch order.", "",
+            "| order | real-token fraction |", "|---|---|",
+            *(f"| {PADDING_ORDERS[order]} | {fraction:.3f} |"
+              for order, fraction in padding["real_token_fraction"].items()),
+            ""]
 
 
 def plot(path: Path, section: dict, machine: dict) -> None:
@@ -621,7 +714,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running row is stopped too
     os.environ.update({k: v for k, v in OFFLINE.items() if k not in os.environ})
     out_dir = Path(args.output_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
     data = str(Path(args.data).resolve()) if args.data != DEFAULT_DATA else args.data
     os.chdir(REPO)  # where train.py runs, and where the default data is built
     cuda_devices = torch.cuda.device_count()
@@ -634,11 +726,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     matmul_repeats = 5 if args.quick else 10
     # The machine's speed drifts (other tenants of a VM), so the limit is measured before the first row and
     # after every row, and each row is held against the higher of the two measurements around it.
+    padding = epoch_padding(TrainConfig(data=data))
     matmuls = [matmul_limit(matmul_repeats)]
     print(f"[bench] matmul limit {matmuls[0]['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
 
-    def run_measured(row, job, job_file, shape, runs_dir):
-        result = run_row(row, job, job_file, shape, runs_dir)
+    def run_measured(row, job, files, shape, runs_dir):
+        result = run_row(row, job, files, shape, runs_dir)
         matmuls.append(matmul_limit(matmul_repeats))
         result["matmul_limit"] = max(matmuls[-2:], key=lambda m: m["flops_per_s"])
         return result
@@ -651,20 +744,21 @@ def main(argv: Optional[list[str]] = None) -> None:
                 rows = [row for row in rows if row["name"] in only]
             if not rows:
                 continue
-            job_file = job_data(job, data, scratch)
-            shape = prepare_job(job, job_file)
+            files = job_data(job, data, scratch)
+            shape = prepare_job(job, *files)
             deepspeed_rows = [r for r in rows if r.get("zero_stage") is not None and "skipped" not in r]
             deepspeed_ops = warm_deepspeed_ops() if deepspeed_rows else None
-            rounds = [[row if "skipped" in row else run_measured(row, job, job_file, shape, runs_dir) for row in rows]
+            rounds = [[row if "skipped" in row else run_measured(row, job, files, shape, runs_dir) for row in rows]
                       for runs_dir in rounds_dirs(out_dir / "runs", args.repeats)]
             results = [median_run(list(runs)) for runs in zip(*rounds)]
             sections.append({"job": job, "shape": shape, "rows": results, "data_name": data,
                              "deepspeed_ops": deepspeed_ops})
-            write_report(out_dir, machine, matmuls, sections, argv)  # a partial report survives a later failure
+            # A partial report survives a later failure.
+            write_report(out_dir, machine, matmuls, padding, sections, argv)
     failed = [r["name"] for s in sections for r in s["rows"] if r.get("status") == "failed"]
     print(f"[bench] wrote {out_dir}/bench.md, bench.json, bench.png" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)  # bad input (data, columns): one `error:` line, exit code 2
