@@ -91,4 +91,4 @@ def test_data_too_small_for_the_job_is_one_clear_line_and_writes_nothing(tmp_pat
     assert result.returncode == 2 and not (tmp_path / "out").exists()
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {reviews_csv} has 240 examples with text; the benchmark's scratch-mini job needs 2920 "
-        "(1920 to train one epoch of 60 steps, 1000 to evaluate)")
+        "(1920 to train 60 steps, 1000 to evaluate)")

@@ -72,15 +72,18 @@ SAMPLE_EVERY_S = 0.2
 class Job:
     """One training job, run unchanged under each of its rows.
 
-    The job trains exactly one epoch: its training set is a seeded sample of steps x global_batch
-    examples. So every row trains on the same examples, whatever order its sampler draws them in,
-    and rows with different samplers (the Trainer's) compare on the same work, not on different
-    slices of an epoch.
+    By default the job trains exactly one epoch: its training set is a seeded sample of
+    steps x global_batch examples. So every row trains on the same examples, whatever order its
+    sampler draws them in, and rows with different samplers (the Trainer's) compare on the same
+    work, not on different slices of an epoch.
     """
 
     model: str
-    steps: int  # optimizer steps: one epoch
+    steps: int  # optimizer steps
     eval_rows: int  # held-out examples for the final evaluation
+    # Training examples; None: one epoch of `steps`. More, for a job whose rows all draw train.py's
+    # batches, makes the length groups of its first steps as tight as a full data set's.
+    train_rows: Optional[int] = None
     rows: Optional[tuple] = None  # the rows to run; None: all
     left_out: Optional[str] = None  # why the other rows do not run, to list them; None: do not list them
     suffix: str = ""  # appended to row names, so that rows of different jobs stay apart
@@ -93,8 +96,8 @@ class Job:
     warmup_steps: int = 1
 
     @property
-    def train_rows(self) -> int:
-        return self.steps * self.global_batch
+    def train_examples(self) -> int:
+        return self.train_rows or self.steps * self.global_batch
 
 
 def plan_jobs(quick: bool) -> list[Job]:
@@ -103,8 +106,8 @@ def plan_jobs(quick: bool) -> list[Job]:
                     rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2"), left_out="left out by --quick"),
                 Job("scratch-small", steps=4, eval_rows=48, rows=("single", "plain_pytorch"), suffix="_small")]
     return [Job("scratch-mini", steps=60, eval_rows=1000),
-            Job("scratch-base", steps=8, eval_rows=240, rows=("single", "plain_pytorch", "cpu", "zero2", "zero3"),
-                suffix="_base")]
+            Job("scratch-base", steps=8, train_rows=2160, eval_rows=240,
+                rows=("single", "plain_pytorch", "cpu", "zero2", "zero3"), suffix="_base")]
 
 
 # --- which rows, and how each is launched ---------------------------------------------------------------
@@ -392,15 +395,14 @@ def matmul_limit(repeats: int) -> dict:
 def job_data(job: Job, data: str, folder: str) -> tuple[str, str]:
     """The job's training and evaluation files: disjoint seeded samples of `data`, written as CSV.
 
-    The training file holds exactly job.train_rows examples, one epoch of job.steps full batches.
+    The training file holds exactly job.train_examples examples.
     """
     defaults = TrainConfig()
     table = select_columns(load_table(data), data, defaults.text_column, defaults.label_column)
-    needed = job.train_rows + job.eval_rows
+    needed = job.train_examples + job.eval_rows
     if len(table) < needed:
         raise InputError(f"{data} has {len(table)} examples with text; the benchmark's {job.model} job needs "
-                         f"{needed} ({job.train_rows} to train one epoch of {job.steps} steps, {job.eval_rows} "
-                         "to evaluate)")
+                         f"{needed} ({job.train_examples} to train {job.steps} steps, {job.eval_rows} to evaluate)")
     table = table.shuffle(seed=job.seed).rename_column("text", defaults.text_column)
     paths = []
     for split, rows in (("train", range(job.eval_rows, needed)), ("eval", range(job.eval_rows))):
@@ -647,8 +649,9 @@ def write_report(out_dir: Path, machine: dict, matmuls: list[dict], padding: dic
         job, shape = section["job"], section["shape"]
         lines += [f"## `{job.model}` on {Path(section['data_name']).name}", "",
                   f"{shape['params'] / 1e6:.1f}M parameters ({shape['non_embedding_params'] / 1e6:.1f}M outside "
-                  f"embeddings; LoRA trains {shape['lora_trainable'] / 1e6:.2f}M); one epoch: "
-                  f"{shape['train_examples']} training examples (a seeded sample), {job.steps} optimizer steps of "
+                  f"embeddings; LoRA trains {shape['lora_trainable'] / 1e6:.2f}M); "
+                  + ("one epoch: " if job.train_rows is None else "the first steps of an epoch of ")
+                  + f"{shape['train_examples']} training examples (a seeded sample), {job.steps} optimizer steps of "
                   f"global batch {job.global_batch} "
                   f"(steady state over the last {job.steps - job.warmup_steps}); {shape['eval_examples']} eval "
                   f"examples; max_length {job.max_length}, seed {job.seed}."
