@@ -593,14 +593,15 @@ def memory_table(rows: list[dict]) -> list[str]:
 
 
 SETTINGS_NOTE = """\
-Equal in every row of a job: the training examples (one epoch of them) and the eval examples, tokenizer,
-model and its initial weights (seed), sequence length, global batch, optimizer steps. train.py rows and `plain_pytorch` also share the batches
-themselves (textclf.data: same collation, length grouping and order), AdamW with the same lr, weight
-decay, betas and eps, the linear warmup schedule and gradient clipping. `hf_trainer` has those same
-settings through TrainingArguments (`optim="adamw_torch"`, `warmup_steps`, `train_sampling_strategy=
-"group_by_length"`, logging every step); its length-grouped batches are drawn by the Trainer's own
-sampler. `hf_trainer_default` keeps only model, data, batch, steps and seed: lr 5e-5, no warmup, no
-weight decay, random batches, fused AdamW, logging every 500 steps."""
+Equal in every row of a job: the training and eval examples, tokenizer, model and its initial weights
+(seed), sequence length, global batch, optimizer steps; in a one-epoch job every row trains on every
+example once. train.py rows and `plain_pytorch` also share the batches themselves (textclf.data: same
+collation, length grouping and order), fused AdamW with the same lr, weight decay, betas and eps,
+the linear warmup schedule and gradient clipping. `hf_trainer` has those same settings through
+TrainingArguments (`optim="adamw_torch_fused"`, `warmup_steps`, `train_sampling_strategy="group_by_length"`,
+logging every step); its length-grouped batches are drawn by the Trainer's own sampler.
+`hf_trainer_default` keeps only model, data, batch, steps and seed: lr 5e-5, no warmup, no weight
+decay, random batches, fused AdamW, logging every 500 steps."""
 
 MEMORY_NOTE = """\
 Why measured and theory differ: a rank's peak holds, besides the model states, the Python process and
@@ -726,10 +727,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"unknown row(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
 
     machine = describe_machine()
+    padding = epoch_padding(TrainConfig(data=data))
     matmul_repeats = 5 if args.quick else 10
     # The machine's speed drifts (other tenants of a VM), so the limit is measured before the first row and
     # after every row, and each row is held against the higher of the two measurements around it.
-    padding = epoch_padding(TrainConfig(data=data))
     matmuls = [matmul_limit(matmul_repeats)]
     print(f"[bench] matmul limit {matmuls[0]['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
 

@@ -100,7 +100,7 @@ def plain_pytorch(cfg: TrainConfig) -> None:
         {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon)
+                                  eps=cfg.adam_epsilon, fused=True)
     total_steps = cfg.max_steps
     scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
 
@@ -159,7 +159,7 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
         settings.update(
             learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
             adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
-            optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=round(cfg.warmup_ratio * cfg.max_steps),
+            optim="adamw_torch_fused", lr_scheduler_type="linear", warmup_steps=round(cfg.warmup_ratio * cfg.max_steps),
             train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
             logging_steps=cfg.logging_steps)
 
