@@ -41,7 +41,8 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
     table = (tmp_path / "bench.md").read_text(encoding="utf-8")
     assert all(f"| {row['name']} |" in table for row in rows)
     assert "## Padding over one epoch of reviews.csv" in table
-    assert "train.py `single` against `hf_trainer` (transformers.Trainer, train.py's settings), the same examples" in table
+    assert ("train.py `single` against `hf_trainer` (transformers.Trainer, train.py's settings), "
+            "the same examples in one epoch: real tokens/s") in table
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
