@@ -2,7 +2,8 @@
 
 import pytest
 
-from textclf.config import InputError, parse_config
+from textclf.config import parse_config
+from textclf.errors import InputError
 
 
 def test_command_line_overrides_recipe_which_overrides_defaults(tmp_path):

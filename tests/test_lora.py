@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import REPO, TINY, losses, run_module, run_train
-from textclf.modeling import checkpoint_weights
+from textclf.loading import checkpoint_weights
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来",

@@ -14,18 +14,7 @@ from typing import Literal, Optional
 import yaml
 from transformers import HfArgumentParser
 
-
-class InputError(Exception):
-    """Bad input from the user: reported as one line, exit code 2, nothing written."""
-
-
-def run_command(main) -> None:
-    """Run a command's `main`, turning bad input into one `error:` line and exit code 2."""
-    try:
-        main()
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+from .errors import InputError
 
 
 @dataclass

@@ -21,8 +21,9 @@ from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
-from .config import InputError, run_command
-from .modeling import LORA_BASE, apply_lora, load_trained, load_weights, weight_files
+from .errors import InputError, run_command
+from .loading import LORA_BASE, load_trained, load_weights, weight_files
+from .modeling import apply_lora
 from .predict import predict_logits
 
 # Texts of several lengths and scripts, so that padding and truncation are part of the check.

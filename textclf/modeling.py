@@ -1,14 +1,9 @@
-"""Models: the offline default (a BERT built from config), anything `from_pretrained` loads, LoRA,
-and trained models read back from an exported folder or a step_<N> checkpoint."""
+"""Models to train: the offline default (a BERT built from config and a tokenizer learnt from the
+texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
-import glob
 import os
-import tempfile
 
-import torch
-from safetensors.torch import load_file
 from transformers import (
-    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
@@ -18,8 +13,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .checkpoint import POSITION, STEP_DIR, read_position
-from .config import InputError
+from .errors import InputError
 
 # Sizes of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
 SCRATCH_SIZES = {
@@ -113,131 +107,27 @@ def apply_lora(model: PreTrainedModel, r: int, alpha: int, dropout: float, targe
                          "(choose modules with --lora_target_modules)") from None
 
 
-# --- Trained models, read back --------------------------------------------------------------------
-# An exported folder is a Hugging Face model folder. With LoRA it holds the adapter (and the trained
-# head) at the top, where peft and `pipeline` look for it, and the base model it applies to in base/:
-# a scratch base exists nowhere else, and the folder must load offline.
-LORA_BASE = "base"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+def parameter_groups(model: PreTrainedModel, weight_decay: float) -> list[dict]:
+    """AdamW's two groups: weight decay on the weights, none on biases and normalisation layers.
 
-
-def load_trained(path: str, allow_pickle: bool = False):
-    """(model, tokenizer) from an exported model folder or a step_<N> checkpoint; the model in eval mode.
-
-    `allow_pickle` lets a DeepSpeed checkpoint load: DeepSpeed's files are full pickles, which can
-    run code stored in them.
+    The rule is the Trainer's own (LayerNorm by type; bias, LayerNorm, RMSNorm and `norm` by name);
+    `get_decay_parameter_names` reads nothing of the Trainer it is a method of.
     """
-    if not os.path.isdir(path):
-        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
-    if os.path.isfile(os.path.join(path, POSITION)) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-        model, tokenizer = _load_checkpoint(path, allow_pickle)
-    elif glob.glob(os.path.join(path, "*.json")) or weight_files(path):
-        model, tokenizer = _load_folder(path)
-    else:
-        raise InputError(f"{path} is neither a model folder (config.json and weights, as export writes) nor a "
-                         f"step_<N> checkpoint ({POSITION}, as train.py writes)")
-    return model.eval(), tokenizer
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for name, p in trainable if name in decay], "weight_decay": weight_decay},
+            {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
 
 
-def weight_files(folder: str) -> list[str]:
-    """The safetensors files of a model folder (export writes nothing else)."""
-    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
+    """All parameters, the trainable ones, and those in embedding tables (full sizes under ZeRO-3 too)."""
+    import torch
 
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partition keeps its full size here
 
-def require_model_files(folder: str) -> None:
-    """A model folder needs its config and its weights; say which one is missing."""
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise InputError(f"{folder} is not a complete model folder: it has no config.json")
-    if not weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
-        raise InputError(f"{folder} is not a complete model folder: it has no weights (model.safetensors)")
-
-
-def _load_folder(folder: str):
-    from peft import PeftModel
-
-    lora = os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
-    base_folder = os.path.join(folder, LORA_BASE) if lora else folder
-    require_model_files(base_folder)
-    if lora and not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
-        raise InputError(f"{folder} is not a complete LoRA model folder: it has no {ADAPTER_WEIGHTS}")
-    try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(base_folder, output_loading_info=True)
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot load a model from {base_folder}: {str(e).splitlines()[0]}") from None
-    # from_pretrained fills missing weights with random ones and only warns: refuse instead.
-    incomplete = info["missing_keys"] or info["mismatched_keys"]
-    if incomplete:
-        raise InputError(f"{base_folder}: weights missing or of the wrong shape for its config: "
-                         f"{', '.join(sorted(map(str, incomplete))[:3])}")
-    if lora:
-        model = PeftModel.from_pretrained(model, folder)
-    return model, _load_tokenizer(folder)
-
-
-def _load_checkpoint(checkpoint: str, allow_pickle: bool):
-    run = read_position(checkpoint).get("config") or {}
-    try:
-        config = AutoConfig.from_pretrained(checkpoint)
-    except (OSError, ValueError):
-        raise InputError(f"{checkpoint} is not a complete checkpoint: it has no readable config.json") from None
-    model = AutoModelForSequenceClassification.from_config(config)
-    if run.get("lora"):  # the run's own settings rebuild the same adapters
-        model = apply_lora(model, run["lora_r"], run["lora_alpha"], run["lora_dropout"], run["lora_target_modules"])
-    load_weights(model, checkpoint_weights(checkpoint, allow_pickle), checkpoint)
-    return model, _load_tokenizer(os.path.join(checkpoint, "tokenizer"))
-
-
-def checkpoint_weights(checkpoint: str, allow_pickle: bool) -> dict:
-    """The full weights in a step_<N> checkpoint, whichever strategy wrote it."""
-
-    def needs_pickle(why: str) -> None:
-        if not allow_pickle:
-            raise InputError(f"loading {checkpoint} takes full pickle ({why}), which can run code stored in its "
-                             "files; pass --allow_pickle if you trust this checkpoint")
-
-    path = os.path.join(checkpoint, "model.safetensors")
-    if os.path.isfile(path):  # one process or DDP: accelerate's save_state writes the whole model
-        return load_file(path)
-    if os.path.isfile(os.path.join(checkpoint, "latest")):  # DeepSpeed: shards per rank, under the tag in `latest`
-        needs_pickle("DeepSpeed's shards are pickles")
-        # DeepSpeed's own consolidation (what the zero_to_fp32.py beside the shards runs): the fp32
-        # master weights of ZeRO-1/2/3, frozen parameters included.
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(checkpoint)
-    path = os.path.join(checkpoint, "pytorch_model_fsdp_0")
-    if os.path.isdir(path):  # FSDP with SHARDED_STATE_DICT: a torch.distributed.checkpoint folder
-        needs_pickle("the metadata of FSDP's distributed checkpoint is a pickle")
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:  # torch's own consolidation, on one process
-            dcp_to_torch_save(path, os.path.join(tmp, "model.pt"))
-            return torch.load(os.path.join(tmp, "model.pt"), weights_only=True)["model"]
-    path = os.path.join(checkpoint, "pytorch_model_fsdp.bin")
-    if os.path.isfile(path):  # FSDP with FULL_STATE_DICT: plain tensors, which torch loads without pickle
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise InputError(f"{checkpoint} is not a complete checkpoint: it holds no model weights (model.safetensors, "
-                     "DeepSpeed's shards and their `latest` file, or FSDP's pytorch_model_fsdp*)")
-
-
-def load_weights(model, state_dict: dict, source: str) -> None:
-    """Load a full state dict, refusing missing, extra or misshapen tensors (a random weight would pass silently)."""
-    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
-
-    consume_prefix_in_state_dict_if_present(state_dict, "module.")  # saved while wrapped by DDP
-    try:
-        result = model.load_state_dict(state_dict, strict=False)
-    except RuntimeError as e:  # shapes that do not fit the config
-        raise InputError(f"the weights in {source} do not fit its config: {' '.join(str(e).split())[:300]}") from None
-    if result.missing_keys or result.unexpected_keys:
-        raise InputError(f"the weights in {source} do not fit its config: {len(result.missing_keys)} tensor(s) "
-                         f"missing {result.missing_keys[:3]}, {len(result.unexpected_keys)} unexpected "
-                         f"{result.unexpected_keys[:3]}")
-
-
-def _load_tokenizer(folder: str):
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as e:
-        raise InputError(f"cannot load the tokenizer saved in {folder}: {str(e).splitlines()[0]}") from None
+    return {"params": sum(numel(p) for p in model.parameters()),
+            "trainable": sum(numel(p) for p in model.parameters() if p.requires_grad),
+            "embedding": sum(numel(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))}

@@ -20,9 +20,9 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
-from .config import InputError, run_command
+from .errors import InputError, run_command
 from .data import length_sorted_loader, read_texts, tokenize
-from .modeling import load_trained
+from .loading import load_trained
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
 

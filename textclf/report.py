@@ -17,10 +17,10 @@ from sklearn.metrics import classification_report, confusion_matrix
 from transformers.utils import logging as transformers_logging
 
 from .checkpoint import write_json
-from .config import InputError, run_command
+from .errors import InputError, run_command
 from .data import encode_labels, load_table, select_columns
-from .metrics import load_metric
-from .modeling import load_trained
+from .metrics import classification_scores
+from .loading import load_trained
 from .predict import inference_accelerator, label_names, predict_logits
 
 REPORT = "report.json"
@@ -30,13 +30,13 @@ CONFUSION_MATRIX = "confusion_matrix.png"
 def scores(references: list[int], predictions: list[int], names: list[str]) -> dict:
     """The same accuracy and macro-F1 as training's evaluation, plus the per-class table and matrix."""
     labels = list(range(len(names)))
+    overall = classification_scores(predictions, references, labels=labels)
     per_class = classification_report(references, predictions, labels=labels, target_names=names,
                                       output_dict=True, zero_division=0)
     return {
         "samples": len(references),
-        "accuracy": load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"],
-        "macro_f1": load_metric("f1").compute(predictions=predictions, references=references,
-                                              average="macro", labels=labels)["f1"],
+        "accuracy": overall["accuracy"],
+        "macro_f1": overall["f1"],
         "per_class": {name: {"precision": per_class[name]["precision"], "recall": per_class[name]["recall"],
                              "f1": per_class[name]["f1-score"], "support": int(per_class[name]["support"])}
                       for name in names},
