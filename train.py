@@ -19,12 +19,14 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from textclf import checkpoint, tracking
-from textclf.config import InputError, TrainConfig, parse_config, run_command
-from textclf.data import fingerprint, load_splits, make_loaders, tokenize
+from textclf.config import TrainConfig, parse_config
+from textclf.data import make_loaders
+from textclf.errors import InputError, run_command
 from textclf.export import export_model
+from textclf.job import build_job
 from textclf.metrics import evaluate_model
-from textclf.modeling import apply_lora, build_model, get_tokenizer
-from textclf.runtime import any_rank, describe, exit_finished_run, make_accelerator
+from textclf.modeling import parameter_counts, parameter_groups
+from textclf.runtime import describe, exit_finished_run, make_accelerator
 
 
 def main(cfg: TrainConfig) -> None:
@@ -37,23 +39,13 @@ def main(cfg: TrainConfig) -> None:
     set_seed(cfg.seed)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
-    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
-                                                   cfg.eval_split, cfg.seed)
-    data_fingerprint = fingerprint(train_set)
-    with accelerator.local_main_process_first():
-        tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, data_fingerprint, cfg.max_length)
-        train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
-    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length)
-    if cfg.lora:  # before prepare: DDP and DeepSpeed must see which parameters train
-        model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    train_set, eval_set, label_names, tokenizer, model, data_fingerprint = build_job(
+        cfg, accelerator.local_main_process_first)
     accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
-                      f"model: {cfg.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+                      f"model: {cfg.model}, {parameter_counts(model)['params'] / 1e6:.1f}M parameters")
 
     # Where this run starts: step 0, or a checkpoint made by the same kind of run.
-    identity = {"world_size": accelerator.num_processes, "zero_stage": run["zero_stage"], "model": cfg.model,
-                "lora": cfg.lora,
-                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                "per_device_train_batch_size": cfg.per_device_train_batch_size, "data_fingerprint": data_fingerprint}
+    identity = checkpoint.identity(cfg, run, data_fingerprint)
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:
@@ -64,20 +56,15 @@ def main(cfg: TrainConfig) -> None:
     train_loader, eval_loader = make_loaders(
         train_set, eval_set, tokenizer, train_batch_size=cfg.per_device_train_batch_size,
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
-        group_by_length=cfg.group_by_length, seed=cfg.seed)
+        group_by_length=cfg.group_by_length, seed=cfg.seed,
+        # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
+        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
     batches_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes)  # per process, once sharded
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith(no_decay)],
-         "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(no_decay)],
-         "weight_decay": 0.0},
-    ]
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, fused=True)
     scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
@@ -139,16 +126,21 @@ def main(cfg: TrainConfig) -> None:
             scheduler.step()
             step += 1
             progress.update()
+            stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
                 values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 tracking.log(accelerator, cfg.output_dir, step, values)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
                 window = tracking.Window()
+                # All ranks agree here whether any was asked to stop: asking waits for the device, as
+                # logging does, so a step between two log lines never waits for it.
+                if stop_requested.is_set():
+                    accelerator.set_trigger()
+                stopping = accelerator.check_trigger()
             metrics = {}
             if step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
                 metrics = evaluate_model(model, eval_loader, accelerator)
                 tracking.log(accelerator, cfg.output_dir, step, metrics)
-            stopping = any_rank(accelerator, stop_requested.is_set())
             if (cfg.save_steps and step % cfg.save_steps == 0) or stopping:
                 path = save(step, epoch, batch_in_epoch, metrics)
             if stopping:

@@ -12,6 +12,7 @@ import yaml
 from conftest import REPO
 from textclf import check
 from textclf.config import parse_config
+from textclf.theory import model_state_bytes
 
 ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -133,17 +134,17 @@ def test_multi_node_counts_processes_over_all_machines(capsys):
 def test_memory_estimate_follows_the_zero_paper():
     params = 1_000_000
     # DDP in fp32: 4 + 4 + 8 bytes per parameter, nothing sharded.
-    assert check.memory_per_rank(params, params, False, 0, 8) == {
+    assert model_state_bytes(params, params, world=8, stage=0, sixteen_bit=False) == {
         "weights": 4e6, "gradients": 4e6, "optimizer states": 8e6}
     # 16-bit weights: 2 + 2 + 12; stage 1 shards the optimizer, 2 also gradients, 3 also weights.
-    assert check.memory_per_rank(params, params, True, 1, 4) == {
+    assert model_state_bytes(params, params, world=4, stage=1, sixteen_bit=True) == {
         "weights": 2e6, "gradients": 2e6, "optimizer states": 3e6}
-    assert check.memory_per_rank(params, params, True, 2, 4) == {
+    assert model_state_bytes(params, params, world=4, stage=2, sixteen_bit=True) == {
         "weights": 2e6, "gradients": 0.5e6, "optimizer states": 3e6}
-    assert check.memory_per_rank(params, params, True, 3, 4) == {
+    assert model_state_bytes(params, params, world=4, stage=3, sixteen_bit=True) == {
         "weights": 0.5e6, "gradients": 0.5e6, "optimizer states": 3e6}
     # Frozen parameters (LoRA) have neither gradients nor optimizer states.
-    assert check.memory_per_rank(params, 1000, False, 0, 1)["optimizer states"] == 8000
+    assert model_state_bytes(params, 1000, world=1, stage=0, sixteen_bit=False)["optimizer states"] == 8000
 
 
 def test_parameter_count_is_the_model_train_py_builds_and_lora_trains_a_fraction():

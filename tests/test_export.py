@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, pipeline
 
-from conftest import REPO, TINY, run_module, run_train
+from conftest import REPO, TINY, assert_refused, run_module, run_train
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 
@@ -114,7 +114,7 @@ def test_fsdp_checkpoint_layouts_export_too(save_weights, tiny_model, tmp_path):
     weights as accelerate's FSDP saving writes them."""
     from transformers import AutoTokenizer
 
-    from textclf.config import InputError
+    from textclf.errors import InputError
     from textclf.export import export_checkpoint
 
     checkpoint = tmp_path / "step_1"
@@ -136,12 +136,6 @@ def test_fsdp_checkpoint_layouts_export_too(save_weights, tiny_model, tmp_path):
 
 
 # --- Bad input: one line on stderr, exit code 2, nothing written. -----------------------------------
-
-def assert_refused(result, message):
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-
 
 def test_an_existing_target_is_refused_unless_overwrite(tiny_model, tmp_path):
     target = tmp_path / "target"

@@ -1,18 +1,15 @@
 """Predict: one output row per input row, in input order, on one process or several; bad input."""
 
-import csv
 import json
 import random
 
 import pytest
 import torch
 
-from conftest import REPO, SHARED_DATA, TINY, run_module, run_train
+from conftest import REPO, TINY, assert_refused, read_csv, run_module, run_train
 from textclf.data import clean_text
-from textclf.modeling import load_trained
+from textclf.loading import load_trained
 from textclf.predict import predict_logits
-
-WAIMAI = SHARED_DATA / "waimai_10k.csv"
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +21,18 @@ def trained(tmp_path_factory, reviews_csv, cache_dir):
     return out
 
 
-def read_csv(path) -> list[dict]:
-    with open(path, encoding="utf-8", newline="") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.slow
-def test_two_processes_write_one_row_per_input_row_in_input_order(trained, tmp_path):
-    args = ["--model", trained / "model", "--file", WAIMAI, "--text_column", "review"]
+def test_two_processes_write_one_row_per_input_row_in_input_order(trained, tmp_path, corpus_csv):
+    args = ["--model", trained / "model", "--file", corpus_csv, "--text_column", "review"]
     # One thread per process in both runs: the same arithmetic, so the outputs can be compared closely.
     run_module("textclf.predict", [*args, "--output", tmp_path / "one.csv"], env={"OMP_NUM_THREADS": "1"})
     result = run_module("textclf.predict", [*args, "--output", tmp_path / "two.csv"],
                         config_file=REPO / "accelerate_configs" / "cpu.yaml", env={"OMP_NUM_THREADS": "1"})
     assert "predict" in result.stderr  # the progress bar
 
-    inputs = [clean_text(row["review"]) for row in read_csv(WAIMAI)]
+    inputs = [clean_text(row["review"]) for row in read_csv(corpus_csv)]
     one, two = read_csv(tmp_path / "one.csv"), read_csv(tmp_path / "two.csv")
-    assert len(inputs) == 11987 and len(one) == len(inputs) and len(two) == len(inputs)
+    assert len(inputs) == 17363 and len(one) == len(inputs) and len(two) == len(inputs)
     assert [row["text"] for row in two] == inputs == [row["text"] for row in one]
     assert [row["label"] for row in two] == [row["label"] for row in one]
     # The last batches differ in padding between the two runs (accelerate evens them out with repeated
@@ -79,12 +71,6 @@ def test_sorted_batches_come_back_in_input_order(tiny_model):
 
 
 # --- Bad input: one line on stderr, exit code 2, nothing written. -----------------------------------
-
-def assert_refused(result, message):
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-
 
 def test_a_file_without_the_text_column(tiny_model, tmp_path):
     data = tmp_path / "comments.csv"

@@ -53,10 +53,12 @@ from torch.utils.data import RandomSampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from .bench_baselines import BASELINES
-from .config import InputError, TrainConfig, run_command
-from .data import (DEFAULT_DATA, EpochLengthGroupedSampler, fingerprint, load_splits, load_table, select_columns,
-                   tokenize)
-from .modeling import apply_lora, build_model, get_tokenizer
+from .config import TrainConfig
+from .errors import InputError, run_command
+from .data import DEFAULT_DATA, EpochLengthGroupedSampler, load_table, select_columns
+from .job import build_job
+from .modeling import apply_lora, parameter_counts
+from .theory import model_state_bytes, training_flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO = REPO / "accelerate_configs"
@@ -292,7 +294,7 @@ def run_row(row: dict, job: Job, files: tuple[str, str], shape: dict, runs_dir: 
     if result["peak_device_mb_per_rank"] is not None:
         result["peak_device_mb"] = max(result["peak_device_mb_per_rank"])
     lora = row.get("lora", False)
-    result["theory_model_states_mb"] = round(model_state_bytes(
+    result["theory_model_states_mb"] = round(device_state_bytes(
         params=shape["lora_params" if lora else "params"],
         trainable=shape["lora_trainable" if lora else "params"], processes=row["processes"],
         zero_stage=row.get("zero_stage"), offload=row.get("offload", []),
@@ -340,35 +342,19 @@ def measured(speeds: list) -> list[float]:
 # --- model FLOPs and ZeRO memory: the theory -----------------------------------------------------------
 
 def model_flops_per_token(shape: dict, lora: bool, tokens_per_sample: float) -> float:
-    """Training FLOPs per real token: 6N plus attention (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022).
-
-    N counts the parameters outside the embedding tables. Forward 2N, gradients of the activations
-    2N, of the weights 2N for the weights that train (LoRA: the adapters and head only). Attention
-    adds 12 x layers x hidden x sequence length, with the length of the row's average sample.
-    """
+    """Training FLOPs per real token of the job's model (textclf.theory); LoRA trains the adapters and head only."""
     trainable = shape["lora_trainable"] if lora else shape["non_embedding_params"]
-    attention = 12 * shape["layers"] * shape["hidden"] * tokens_per_sample
-    return 4 * shape["non_embedding_params"] + 2 * trainable + attention
+    return training_flops_per_token(shape["non_embedding_params"], trainable, shape["layers"], shape["hidden"],
+                                    tokens_per_sample)
 
 
-def model_state_bytes(params: int, trainable: int, processes: int, zero_stage: Optional[int], offload: list,
-                      mixed: bool, on_gpu: bool) -> float:
-    """Weights, gradients and Adam states per rank, by the ZeRO paper (Rajbhandari et al. 2020, sec. 3).
-
-    Bytes per parameter: fp32 4 + 4 + 8 (weights, gradients, momentum and variance); mixed precision
-    2 + 2 + 12 (16-bit weights and gradients; fp32 master weights, momentum, variance). ZeRO stage 1
-    shards the optimizer states over the ranks, stage 2 the gradients too, stage 3 the weights too.
-    Offloaded parts leave the GPU but stay in the host's memory, so on a CPU they still count.
-    """
-    weight_bytes, grad_bytes, optimizer_bytes = (2, 2, 12) if mixed else (4, 4, 8)
-    stage = zero_stage or 0
-
-    def per_rank(total, sharded_from_stage):
-        return total / processes if stage >= sharded_from_stage else total
-
-    weights = 0 if on_gpu and "param" in offload else per_rank(weight_bytes * params, 3)
-    optimizer = 0 if on_gpu and "optimizer" in offload else per_rank(optimizer_bytes * trainable, 1)
-    return weights + per_rank(grad_bytes * trainable, 2) + optimizer
+def device_state_bytes(params: int, trainable: int, processes: int, zero_stage: Optional[int], offload: list,
+                       mixed: bool, on_gpu: bool) -> float:
+    """The model states one rank holds in its device's memory (textclf.theory): offloaded parts leave
+    a GPU but stay in the host's memory, so on a CPU they still count."""
+    parts = model_state_bytes(params, trainable, world=processes, stage=zero_stage or 0, sixteen_bit=mixed)
+    offloaded = {"weights": "param", "gradients": None, "optimizer states": "optimizer"}
+    return sum(n for part, n in parts.items() if not (on_gpu and offloaded[part] in offload))
 
 
 def matmul_limit(repeats: int) -> dict:
@@ -414,19 +400,14 @@ def job_data(job: Job, data: str, folder: str) -> tuple[str, str]:
 def prepare_job(job: Job, train_file: str, eval_file: str) -> dict:
     """Tokenizer and tokenized data made once here, so that no row's startup pays for them; the model's shape."""
     cfg = TrainConfig(model=job.model, data=train_file, eval_data=eval_file, max_length=job.max_length, seed=job.seed)
-    train_set, eval_set, labels = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
-                                              cfg.eval_split, cfg.seed)
-    tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
-    for split in (train_set, eval_set):
-        tokenize(split, tokenizer, cfg.max_length)
-    model = build_model(cfg.model, tokenizer, labels, cfg.max_length)
-    params = sum(p.numel() for p in model.parameters())
-    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    lora = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-    return {"train_examples": len(train_set), "eval_examples": len(eval_set), "params": params,
-            "non_embedding_params": params - embedding, "layers": model.config.num_hidden_layers,
-            "hidden": model.config.hidden_size, "lora_params": sum(p.numel() for p in lora.parameters()),
-            "lora_trainable": sum(p.numel() for p in lora.parameters() if p.requires_grad)}
+    built = build_job(cfg)
+    counts = parameter_counts(built.model)
+    config = built.model.config
+    lora = parameter_counts(apply_lora(built.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                       cfg.lora_target_modules))
+    return {"train_examples": len(built.train_set), "eval_examples": len(built.eval_set), "params": counts["params"],
+            "non_embedding_params": counts["params"] - counts["embedding"], "layers": config.num_hidden_layers,
+            "hidden": config.hidden_size, "lora_params": lora["params"], "lora_trainable": lora["trainable"]}
 
 
 PADDING_ORDERS = {  # name: the batch order
@@ -443,10 +424,7 @@ def epoch_padding(cfg: TrainConfig) -> dict:
     changed); only the order of the batches changes, one order per PADDING_ORDERS entry. Lengths
     alone decide a batch's padding, so no model runs.
     """
-    train_set, _, _ = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column, cfg.eval_split,
-                                  cfg.seed)
-    tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
-    lengths = tokenize(train_set, tokenizer, cfg.max_length)["length"][:]
+    lengths = build_job(cfg).train_set["length"][:]
     batch = cfg.per_device_train_batch_size
     samplers = {
         "train.py": EpochLengthGroupedSampler(lengths, batch, cfg.seed),

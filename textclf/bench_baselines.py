@@ -11,11 +11,10 @@ step with its wall-clock `time` and throughput, then one line with the eval accu
 on the GPU when there is one; the plain loop uses no Accelerate at all.
 """
 
-import json
+import collections
 import math
 import os
 import sys
-import time
 
 import torch
 from transformers import (
@@ -28,9 +27,11 @@ from transformers import (
 )
 
 from .config import TrainConfig, parse_config
-from .data import fingerprint, load_splits, make_loaders, tokenize
-from .metrics import evaluate_model, load_metric
-from .modeling import build_model, get_tokenizer
+from .data import make_loaders
+from .job import build_job
+from .metrics import classification_scores, evaluate_model
+from .modeling import parameter_groups
+from .tracking import Window, append_log
 
 BASELINES = {  # name: what runs
     "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
@@ -42,12 +43,8 @@ BASELINES = {  # name: what runs
 def prepare(cfg: TrainConfig):
     """Data and model built as train.py builds them, in the same order, so the weights are the same."""
     set_seed(cfg.seed)
-    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
-                                                   cfg.eval_split, cfg.seed)
-    tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, fingerprint(train_set), cfg.max_length)
-    train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
-    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length)
-    return train_set, eval_set, tokenizer, model
+    job = build_job(cfg)
+    return job.train_set, job.eval_set, job.tokenizer, job.model
 
 
 def loaders(cfg: TrainConfig, train_set, eval_set, tokenizer):
@@ -57,55 +54,18 @@ def loaders(cfg: TrainConfig, train_set, eval_set, tokenizer):
                         group_by_length=cfg.group_by_length, seed=cfg.seed)
 
 
-def token_counts(batch) -> tuple[int, int, int]:
-    """Samples, real tokens and padded tokens of one batch."""
-    mask = batch["attention_mask"]
-    return mask.shape[0], int(mask.sum()), mask.numel()
-
-
-def open_step_log(output_dir: str):
-    """A function that appends one train.py-style log line per optimizer step, timed from the call before."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "log.jsonl")
-    last = time.time()
-
-    def log_step(step: int, counts: tuple[int, int, int], **values) -> None:
-        nonlocal last
-        now = time.time()
-        seconds, (samples, real, padded) = now - last, counts
-        line = {"step": step, "time": now, **values, "samples_per_s": samples / seconds,
-                "real_tokens_per_s": real / seconds, "real_token_fraction": real / padded}
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
-        last = now
-
-    return log_step
-
-
-def log_eval(output_dir: str, step: int, metrics: dict) -> None:
-    with open(os.path.join(output_dir, "log.jsonl"), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-
-
 def plain_pytorch(cfg: TrainConfig) -> None:
     """The loop a PyTorch user writes by hand: train.py's job without Accelerate."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train_set, eval_set, tokenizer, model = prepare(cfg)
     train_loader, eval_loader = loaders(cfg, train_set, eval_set, tokenizer)
     model.to(device)
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, fused=True)
     total_steps = cfg.max_steps
     scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
 
-    log_step = open_step_log(cfg.output_dir)
-    step = 0
+    step, window = 0, Window()
     model.train()
     for epoch in range(math.ceil(total_steps / len(train_loader))):
         if cfg.group_by_length:
@@ -120,7 +80,9 @@ def plain_pytorch(cfg: TrainConfig) -> None:
             optimizer.zero_grad()
             scheduler.step()
             step += 1
-            log_step(step, token_counts(batch), loss=loss.item())
+            window.add(loss, batch)
+            append_log(cfg.output_dir, step, window.summary())
+            window = Window()
             if step == total_steps:
                 break
 
@@ -131,10 +93,9 @@ def plain_pytorch(cfg: TrainConfig) -> None:
             batch = {name: tensor.to(device) for name, tensor in batch.items()}
             predictions += model(**batch).logits.argmax(dim=-1).tolist()
             references += batch["labels"].tolist()
-    log_eval(cfg.output_dir, step, {
-        "eval_accuracy": load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"],
-        "eval_f1": load_metric("f1").compute(predictions=predictions, references=references)["f1"],
-        "eval_samples": len(references)})
+    scores = classification_scores(predictions, references)
+    append_log(cfg.output_dir, step, {"eval_accuracy": scores["accuracy"], "eval_f1": scores["f1"],
+                                      "eval_samples": len(references)})
 
 
 def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
@@ -145,12 +106,11 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     """
     train_set, eval_set, tokenizer, model = prepare(cfg)
     collate = DataCollatorWithPadding(tokenizer)  # what the Trainer picks by itself for a tokenizer
-    batch_counts = []  # token counts of every training batch, in the order the Trainer draws them
+    pending = collections.deque()  # batches drawn but not yet trained on: accelerate's loader fetches one ahead
 
     def counting_collate(features):
-        batch = collate(features)
-        batch_counts.append(token_counts(batch))
-        return batch
+        pending.append(collate(features))
+        return pending[-1]
 
     settings = dict(output_dir=cfg.output_dir, max_steps=cfg.max_steps, seed=cfg.seed,
                     per_device_train_batch_size=cfg.per_device_train_batch_size, report_to="none",
@@ -165,17 +125,19 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
 
     class StepTimes(TrainerCallback):  # the Trainer's hooks take a callback object
         def on_train_begin(self, args, state, control, **kwargs):
-            self.log_step = open_step_log(cfg.output_dir)
+            self.window = Window()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.log_step(state.global_step, batch_counts[state.global_step - 1])
+            self.window.add(None, pending.popleft())  # counted as train.py counts; the loss stays inside the Trainer
+            append_log(cfg.output_dir, state.global_step, self.window.summary())
+            self.window = Window()
 
     trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=train_set,
                       data_collator=counting_collate, processing_class=tokenizer, callbacks=[StepTimes()])
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    log_eval(cfg.output_dir, trainer.state.global_step, evaluate_model(trainer.model, eval_loader, trainer.accelerator))
+    append_log(cfg.output_dir, trainer.state.global_step, evaluate_model(trainer.model, eval_loader, trainer.accelerator))
 
 
 def main(argv: list[str]) -> None:

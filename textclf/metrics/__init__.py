@@ -1,4 +1,4 @@
-"""Evaluation: accuracy and macro-F1 through `evaluate`, from metric scripts that ship with the repo."""
+"""Evaluation: accuracy and macro-F1 through `evaluate`, from a metric script that ships with the repo."""
 
 import os
 
@@ -8,9 +8,11 @@ import torch
 HERE = os.path.dirname(__file__)
 
 
-def load_metric(name: str) -> evaluate.EvaluationModule:
-    """A metric from the scripts beside this file: `evaluate.load("accuracy")` needs the Hub."""
-    return evaluate.load(os.path.join(HERE, f"{name}.py"), keep_in_memory=True)
+def classification_scores(predictions: list[int], references: list[int], labels=None) -> dict:
+    """{"accuracy", "f1" (macro)} from the metric script beside this file: `evaluate.load("accuracy")`
+    needs the Hub."""
+    metric = evaluate.load(os.path.join(HERE, "classification.py"), keep_in_memory=True)
+    return metric.compute(predictions=predictions, references=references, labels=labels)
 
 
 def evaluate_model(model, loader, accelerator) -> dict:
@@ -30,8 +32,5 @@ def evaluate_model(model, loader, accelerator) -> dict:
             predictions_all += predictions.tolist()
             references_all += references.tolist()
     model.train(was_training)
-    return {"eval_accuracy": load_metric("accuracy").compute(predictions=predictions_all,
-                                                             references=references_all)["accuracy"],
-            "eval_f1": load_metric("f1").compute(predictions=predictions_all, references=references_all,
-                                                 average="macro")["f1"],
-            "eval_samples": len(references_all)}
+    scores = classification_scores(predictions_all, references_all)
+    return {"eval_accuracy": scores["accuracy"], "eval_f1": scores["f1"], "eval_samples": len(references_all)}
