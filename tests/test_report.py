@@ -1,49 +1,29 @@
 """Evaluate: scores, a per-class table with the 10 Chinese category names, a confusion-matrix PNG; bad labels."""
 
-import csv
 import json
-import random
 
 import pytest
 from PIL import Image
 
-from conftest import SHARED_DATA, TINY, run_module, run_train
+from conftest import ASPECTS, TINY, run_module, run_train
 
-CATEGORIES = ["书籍", "平板", "手机", "水果", "洗发水", "热水器", "蒙牛", "衣服", "计算机", "酒店"]
-
-
-@pytest.fixture(scope="module")
-def category_files(tmp_path_factory):
-    """Disjoint samples of online_shopping_10_cats.csv: 60 rows per category to train, 20 to evaluate."""
-    with open(SHARED_DATA / "online_shopping_10_cats.csv", encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f))
-    random.Random(0).shuffle(rows)
-    folder = tmp_path_factory.mktemp("cats")
-    paths = {}
-    for name, start, count in (("train", 0, 60), ("eval", 60, 20)):
-        picked = [row for cat in CATEGORIES for row in [r for r in rows if r["cat"] == cat][start:start + count]]
-        paths[name] = folder / f"{name}.csv"
-        with open(paths[name], "w", encoding="utf-8", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["cat", "label", "review"])
-            writer.writeheader()
-            writer.writerows(picked)
-    return paths
+CATEGORIES = sorted(ASPECTS)  # in id order
 
 
 @pytest.fixture(scope="module")
-def category_model(tmp_path_factory, category_files, cache_dir):
-    out = tmp_path_factory.mktemp("cats_run")
-    run_train([*TINY, "--data", category_files["train"], "--label_column", "cat", "--cache_dir", cache_dir,
+def category_model(tmp_path_factory, aspect_files, cache_dir):
+    out = tmp_path_factory.mktemp("aspects_run")
+    run_train([*TINY, "--data", aspect_files["train"], "--label_column", "aspect", "--cache_dir", cache_dir,
                "--output_dir", out, "--max_steps", 30, "--save_steps", 100])
     return out / "model"
 
 
 @pytest.mark.slow
-def test_report_prints_the_table_with_the_ten_category_names_and_draws_the_matrix(category_model, category_files,
+def test_report_prints_the_table_with_the_ten_category_names_and_draws_the_matrix(category_model, aspect_files,
                                                                                    tmp_path):
     output_dir = tmp_path / "report"
-    result = run_module("textclf.report", ["--model", category_model, "--file", category_files["eval"],
-                                           "--label_column", "cat", "--output_dir", output_dir])
+    result = run_module("textclf.report", ["--model", category_model, "--file", aspect_files["eval"],
+                                           "--label_column", "aspect", "--output_dir", output_dir])
     report = json.loads((output_dir / "report.json").read_text(encoding="utf-8"))
 
     # The table: one line per category, by name, with precision, recall, F1 and support.
