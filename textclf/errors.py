@@ -7,10 +7,10 @@ class InputError(Exception):
     """Bad input from the user: reported as one line, exit code 2, nothing written."""
 
 
-def run_command(main) -> None:
-    """Run a command's `main`, turning bad input into one `error:` line and exit code 2."""
+def run_command(main):
+    """Run a command's `main` and return what it returns, turning bad input into one `error:` line and exit code 2."""
     try:
-        main()
+        return main()
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DynamoBackend
+from accelerate.utils import DynamoBackend, is_wandb_available
 
 from .config import TrainConfig
 from .errors import InputError
@@ -28,14 +28,16 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     """
     has_cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    precision = resolve_precision(cfg.mixed_precision)
     if precision == "fp16" and not has_cuda:
         raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); "
                          "use bf16 or no on this machine")
+    check_trackers(cfg.report_to)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     trackers = {"none": None, "all": "all"}.get(cfg.report_to, [cfg.report_to])
     accelerator = Accelerator(
         cpu=not has_cuda and not deepspeed,
+        mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
         step_scheduler_with_optimizer=False,
@@ -53,6 +55,44 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
         plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
     return accelerator
+
+
+def resolve_precision(asked):
+    """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
+
+    `accelerate launch` always sets ACCELERATE_MIXED_PRECISION (from its --mixed_precision or the yaml),
+    and the Accelerator would let the script's value win without a word.
+    """
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if asked and launched and asked != launched:
+        raise InputError(f"--mixed_precision {asked} contradicts the launch, which runs {launched} (accelerate "
+                         "launch's --mixed_precision or the yaml's mixed_precision): set it on the launch line, "
+                         "or drop --mixed_precision")
+    return asked or launched or "no"
+
+
+def check_trackers(report_to: str) -> None:
+    """Stop now, before anything is written, if a tracker asked for cannot start.
+
+    Accelerate drops a tracker whose package is missing without a word (a debug log), and wandb
+    without a login fails only in `init_trackers`, after run.json is written.
+    """
+    if report_to == "tensorboard":
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (what accelerate's TensorBoardTracker imports)
+        except ImportError as e:
+            raise InputError(f"--report_to tensorboard, but tensorboard cannot be imported ({e}); "
+                             "pip install tensorboard, or pass --report_to none") from None
+    if report_to == "wandb" or (report_to == "all" and is_wandb_available()):
+        try:
+            import wandb
+        except ImportError as e:
+            raise InputError(f"--report_to {report_to}, but wandb cannot be imported ({e}); "
+                             "pip install wandb, or pass --report_to tensorboard or none") from None
+        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+        if not offline and not wandb.login(verify=False, prompt=False):
+            raise InputError(f"--report_to {report_to}, but wandb has no login here (no WANDB_API_KEY, no "
+                             "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
 
 
 def zero_stage(accelerator: Accelerator):
