@@ -145,12 +145,12 @@ def utf8_copy(path: str, encoding: str) -> str:
     return copy
 
 
-def undecodable(path: str, encoding: str) -> Optional[str]:
+def undecodable(path: str, encoding: str, chunk_size: int = 1 << 24) -> Optional[str]:
     """Where `path` stops decoding as `encoding` ("byte 0xb5 at line 2, column 7"), or None if it decodes."""
     decoder = codecs.getincrementaldecoder(encoding)()
     offset, line, line_start = 0, 1, 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
+        while chunk := f.read(chunk_size):
             pending = len(decoder.getstate()[0])
             try:
                 decoder.decode(chunk)
