@@ -1,7 +1,5 @@
 """The typed config: defaults < checkpoint < YAML recipe < command line, every bad value refused, --help."""
 
-import json
-import re
 import subprocess
 import sys
 
@@ -140,23 +138,3 @@ def test_help_groups_the_options_and_lists_the_recipe(help_text):
     assert section_of["--lora_r"] == "LoRA" and section_of["--early_stopping_patience"] == "evaluation and checkpoints"
     assert section_of["--report_to"] == "logging"
     assert set(section_of) >= {f"--{name}" for name in field_names()}
-
-
-def documented_train_flags() -> dict[str, set[str]]:
-    """Every --flag in a `python train.py` or `accelerate launch ... train.py` command of the README and
-    docs/*.md (pages added later included), by page."""
-    command = re.compile(r"(?:python\s+train\.py|accelerate\s+launch\b[^\n`|]*?\btrain\.py)([^\n`#|;&)]*)")
-    found = {}
-    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        text = page.read_text(encoding="utf-8").replace("\\\n", " ")
-        flags = {flag for tail in command.findall(text) for flag in re.findall(r"(?<!\S)--[A-Za-z][\w-]*", tail)}
-        found[page.name] = flags
-    return found
-
-
-def test_every_flag_the_documentation_gives_train_py_exists(help_text):
-    documented = documented_train_flags()
-    assert documented["README.md"] >= {"--resume", "--model", "--lora", "--per_device_train_batch_size"}
-    known = set(re.findall(r"(?<!\S)--[A-Za-z][\w-]*", help_text))
-    missing = {page: sorted(flags - known) for page, flags in documented.items() if flags - known}
-    assert not missing, f"flags in the documentation that train.py does not have: {missing}"
