@@ -11,7 +11,9 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def page_text(page) -> str:
-    return page.read_text(encoding="utf-8").replace("\\\n", " ")  # shell line continuations
+    """The page with shell line continuations joined and quoted arguments ('|', "a b") made plain words."""
+    text = page.read_text(encoding="utf-8").replace("\\\n", " ")
+    return re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "QUOTED", text)
 
 
 def documented_train_flags() -> dict[str, set[str]]:

@@ -362,7 +362,7 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     if unknown:
         raise InputError(f"cannot resume from {path}: its config has option(s) {', '.join(unknown)} that this "
                          "train.py does not know; resume it with the version of train.py that made it")
-    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)), "resume": None}
+    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None}
 
 
 def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
