@@ -12,11 +12,11 @@ from accelerate.utils import DynamoBackend
 from .config import TrainConfig
 from .errors import InputError
 
-# torch.compile is refused rather than half supported: measured on a CPU it made training slower (docs/benchmark.md,
-# "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
-COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager (docs/benchmark.md, "
-                   "\"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, which export, "
-                   "predict and a resume without it cannot read; launch with --dynamo_backend no")
+# torch.compile is refused rather than half supported: measured on a CPU it made training slower
+# (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
+COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager "
+                   "(docs/benchmark.md, \"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, "
+                   "which export, predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
