@@ -58,7 +58,8 @@ from .errors import InputError, run_command
 from .data import DEFAULT_DATA, EpochLengthGroupedSampler, load_table, select_columns
 from .job import build_job
 from .modeling import apply_lora, parameter_counts
-from .theory import model_state_bytes, training_flops_per_token
+from .runtime import zero_offload
+from .theory import OFFLOADED_BY, model_state_bytes, training_flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO = REPO / "accelerate_configs"
@@ -158,7 +159,7 @@ def deepspeed_settings(spec: dict) -> dict:
         return dict(zero_stage=None, offload=[])
     with open(REPO / ds_file, encoding="utf-8") as f:
         zero = json.load(f).get("zero_optimization", {})
-    offload = [part for part in ("optimizer", "param") if zero.get(f"offload_{part}", {}).get("device") == "cpu"]
+    offload = [part for part, device in zero_offload(zero).items() if device != "none"]
     return dict(zero_stage=zero.get("stage", 0), offload=offload)
 
 
@@ -353,8 +354,7 @@ def device_state_bytes(params: int, trainable: int, processes: int, zero_stage: 
     """The model states one rank holds in its device's memory (textclf.theory): offloaded parts leave
     a GPU but stay in the host's memory, so on a CPU they still count."""
     parts = model_state_bytes(params, trainable, world=processes, stage=zero_stage or 0, sixteen_bit=mixed)
-    offloaded = {"weights": "param", "gradients": None, "optimizer states": "optimizer"}
-    return sum(n for part, n in parts.items() if not (on_gpu and offloaded[part] in offload))
+    return sum(n for part, n in parts.items() if not (on_gpu and OFFLOADED_BY.get(part) in offload))
 
 
 def matmul_limit(repeats: int) -> dict:
