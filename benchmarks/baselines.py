@@ -1,8 +1,8 @@
 """The benchmark's two baselines, written plainly: a hand-made PyTorch loop, and the HF Trainer.
 
-    python -m textclf.bench_baselines plain_pytorch      <train.py options>
-    python -m textclf.bench_baselines hf_trainer         <train.py options>   # settings equal to train.py's
-    python -m textclf.bench_baselines hf_trainer_default <train.py options>   # the Trainer's defaults
+    python -m benchmarks.baselines plain_pytorch      <train.py options>
+    python -m benchmarks.baselines hf_trainer         <train.py options>   # settings equal to train.py's
+    python -m benchmarks.baselines hf_trainer_default <train.py options>   # the Trainer's defaults
 
 Each takes train.py's own options (parsed by textclf.config), so data, split, tokenizer, model
 weights, batch size, steps, seed and hyperparameters are the job's by construction. Each writes
@@ -26,12 +26,12 @@ from transformers import (
     set_seed,
 )
 
-from .config import TrainConfig, parse_config
-from .data import make_loaders
-from .job import build_job
-from .metrics import classification_scores, evaluate_model
-from .modeling import parameter_groups
-from .tracking import Window, append_log
+from textclf.config import TrainConfig, parse_config
+from textclf.data import make_loaders
+from textclf.job import build_job
+from textclf.metrics import classification_scores, evaluate_model
+from textclf.modeling import parameter_groups
+from textclf.tracking import Window, append_log
 
 BASELINES = {  # name: what runs
     "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
@@ -142,7 +142,7 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in BASELINES:
-        sys.exit(f"usage: python -m textclf.bench_baselines {{{','.join(BASELINES)}}} <train.py options>")
+        sys.exit(f"usage: python -m benchmarks.baselines {{{','.join(BASELINES)}}} <train.py options>")
     cfg = parse_config(argv[1:])
     if not cfg.max_steps or cfg.gradient_accumulation_steps != 1 or cfg.lora:
         sys.exit("the baselines run a fixed number of steps (--max_steps), without accumulation or LoRA")
