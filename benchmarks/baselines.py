@@ -60,8 +60,8 @@ def plain_pytorch(cfg: TrainConfig) -> None:
     train_set, eval_set, tokenizer, model = prepare(cfg)
     train_loader, eval_loader = loaders(cfg, train_set, eval_set, tokenizer)
     model.to(device)
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, fused=True)
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     total_steps = cfg.max_steps
     scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
 
@@ -137,7 +137,8 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    append_log(cfg.output_dir, trainer.state.global_step, evaluate_model(trainer.model, eval_loader, trainer.accelerator))
+    append_log(cfg.output_dir, trainer.state.global_step,
+               evaluate_model(trainer.model, eval_loader, trainer.accelerator))
 
 
 def main(argv: list[str]) -> None:

@@ -34,6 +34,8 @@ ROW_TIMEOUT_S = 900
 SAMPLE_EVERY_S = 0.2
 
 
+# --- running one row: wall time, the memory of each rank, its figures from log.jsonl ----------------------
+
 def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
     """Run `cmd`, sampling the resident memory of every rank (and its GPU memory) until it exits.
 
@@ -176,7 +178,7 @@ def median_run(runs: list[dict]) -> dict:
             "failed_runs": len(runs) - len(ok)}
 
 
-# --- model FLOPs and ZeRO memory: the theory (textclf.theory) -------------------------------------------
+# --- model FLOPs and memory by the theory (textclf.theory), and the matmul limit --------------------------
 
 def model_flops_per_token(shape: dict, lora: bool, tokens_per_sample: float) -> float:
     """Training FLOPs per real token of the job's model (textclf.theory); LoRA trains the adapters and head only."""
@@ -212,7 +214,7 @@ def matmul_limit(repeats: int) -> dict:
             "flops_per_s": 2 * size ** 3 / statistics.median(seconds)}
 
 
-# --- data and model, prepared once per job ------------------------------------------------------------
+# --- data, model and DeepSpeed's ops, prepared once per job -----------------------------------------------
 
 def job_data(job: BenchJob, data: str, folder: str) -> tuple[str, str]:
     """The job's training and evaluation files: disjoint seeded samples of `data`, written as CSV.
@@ -288,6 +290,8 @@ def warm_deepspeed_ops() -> str:
         return f"failed ({(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]})"
     return f"{time.time() - start:.0f} s"
 
+
+# --- the machine ------------------------------------------------------------------------------------------
 
 def describe_machine() -> dict:
     cpu = platform.processor() or platform.machine()

@@ -57,8 +57,8 @@ class BenchJob:
 
 def plan_jobs(quick: bool) -> list[BenchJob]:
     if quick:
-        return [BenchJob("scratch-mini", steps=6, eval_rows=48,
-                         rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2"), left_out="left out by --quick"),
+        return [BenchJob("scratch-mini", steps=6, eval_rows=48, left_out="left out by --quick",
+                         rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2")),
                 BenchJob("scratch-small", steps=4, eval_rows=48, rows=("single", "plain_pytorch"), suffix="_small")]
     return [BenchJob("scratch-mini", steps=60, eval_rows=1000),
             BenchJob("scratch-base", steps=8, train_rows=2160, eval_rows=240,

@@ -10,6 +10,7 @@ import torch
 
 from .measure import PADDING_ORDERS, SAMPLE_EVERY_S
 
+
 def peak_mb(row: dict) -> int:
     """The memory that limits a run: the GPU's where there is one, else the host's."""
     return row.get("peak_device_mb", row["peak_rss_mb"])
