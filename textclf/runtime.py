@@ -55,18 +55,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     return accelerator
 
 
-def zero_stage(accelerator: Accelerator):
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin.zero_stage if plugin is not None else None
-
-
-def zero_offload(accelerator: Accelerator):
-    """Where DeepSpeed keeps optimizer states and parameters: {"optimizer": "cpu", "param": "none"}."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return None
-    zero = plugin.deepspeed_config.get("zero_optimization", {})
-    return {part: zero.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
+def zero_offload(zero_optimization: dict) -> dict[str, str]:
+    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
+    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
+    return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
@@ -81,13 +73,14 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
     except ImportError:
         deepspeed_version = None
     micro = cfg.per_device_train_batch_size
+    plugin = accelerator.state.deepspeed_plugin
     return {
         "distributed_type": str(accelerator.distributed_type.value),
         "num_processes": accelerator.num_processes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1))),
         "mixed_precision": accelerator.mixed_precision,
-        "zero_stage": zero_stage(accelerator),
-        "zero_offload": zero_offload(accelerator),
+        "zero_stage": plugin.zero_stage if plugin else None,
+        "zero_offload": zero_offload(plugin.deepspeed_config.get("zero_optimization", {})) if plugin else None,
         "device": str(accelerator.device),
         "micro_batch_size": micro,
         "global_batch_size": micro * cfg.gradient_accumulation_steps * accelerator.num_processes,
