@@ -215,11 +215,13 @@ class EpochLengthGroupedSampler(Sampler):
 
 
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
-                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None):
+                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None,
+                 pin_memory: bool = False):
     """Training and evaluation DataLoaders, before `accelerator.prepare` shards them.
 
     Each loader owns its generator: otherwise every new iterator draws a seed from the global RNG,
-    which shifts the dropout masks and breaks exact resume.
+    which shifts the dropout masks and breaks exact resume. `pin_memory` (for a GPU) puts batches in
+    page-locked memory, from which they are copied to the device while it works.
     """
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
@@ -228,16 +230,17 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
         # A group spans one micro-step of all processes, so every rank gets similar lengths.
         sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes, seed)
         train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
-                                  generator=generator)
+                                  generator=generator, pin_memory=pin_memory)
     else:
         train_loader = DataLoader(train, batch_size=train_batch_size, shuffle=True, collate_fn=collate,
-                                  generator=generator)
+                                  generator=generator, pin_memory=pin_memory)
     # Sorted by length, evaluation pads little; the metrics do not depend on the order.
-    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of)
+    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, pin_memory)
     return train_loader, eval_loader
 
 
-def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None) -> DataLoader:
+def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None,
+                         pin_memory: bool = False) -> DataLoader:
     """Batches of a tokenized table in order of length, longest first, for evaluation and prediction.
 
     Little padding, and a batch too big for memory fails at once rather than at the end. The order
@@ -248,4 +251,5 @@ def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_mult
         table = table.sort("length", reverse=True).remove_columns(["length"])
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     # Its own generator: iterating must not draw from the global RNG (dropout masks, exact resume).
-    return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator())
+    return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator(),
+                      pin_memory=pin_memory)

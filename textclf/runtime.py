@@ -42,7 +42,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         log_with=trackers,
         project_dir=cfg.output_dir,
         # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
+        # a blocking copy would wait for the previous step to finish before the next could be queued.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                  non_blocking=has_cuda),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
     )
     dynamo_backend = accelerator.state.dynamo_plugin.backend
