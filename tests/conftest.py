@@ -66,10 +66,12 @@ def run_module(module, args, config_file=None, check=True, timeout=900, env=None
     return result
 
 
-def run_sync_probe(args, output, config_file=None, extra_launch_args=()) -> list[dict]:
-    """train.py under tests/sync_probe.py: each rank's calls that wait for the device, by optimizer step."""
-    run_train(args, config_file, extra_launch_args, env={"SYNC_PROBE_OUT": str(output)}, script="tests/sync_probe.py")
-    return [json.loads(path.read_text()) for path in sorted(Path(output).parent.glob(f"{Path(output).name}*"))]
+def run_sync_probe(args, output, config_file=None, extra_launch_args=()) -> tuple:
+    """train.py under tests/sync_probe.py: the launch's result, and each rank's report of the calls that
+    waited for the device, by optimizer step."""
+    result = run_train(args, config_file, extra_launch_args, env={"SYNC_PROBE_OUT": str(output)},
+                       script="tests/sync_probe.py")
+    return result, [json.loads(path.read_text()) for path in sorted(Path(output).parent.glob(f"{Path(output).name}*"))]
 
 
 def quiet_steps(report: dict) -> set[int]:
@@ -94,6 +96,21 @@ LIBRARY_SYNCS = {
     # ZeRO's step checks the gradient norm for inf and nan with bool() (deepspeed/runtime/utils.py).
     "deepspeed": "deepspeed/",
 }
+
+
+def assert_no_sync_between_log_lines(report: dict, libraries: tuple[str, ...]) -> list[dict]:
+    """No call waits for the device in a step between two log lines, except the named libraries' own
+    (LIBRARY_SYNCS); the probe saw the log lines' reads (so it was counting). Returns the libraries' calls."""
+    quiet = quiet_steps(report)
+    assert quiet, "no step between two log lines: raise logging_steps"
+    allowed = tuple(LIBRARY_SYNCS[name] for name in libraries)
+    stalls = [event for event in syncs_in(report, quiet) if not event["site"].startswith(allowed)]
+    assert not stalls, f"steps between log lines wait for the device: {stalls[:5]}"
+    logged = {step for step in range(1, report["steps"]) if step % report["logging_steps"] == 0}
+    for step in logged:  # logging reads loss and throughput, and every rank is asked about SIGTERM
+        sites = {event["site"].split(":")[0] for event in syncs_in(report, {step})}
+        assert {"textclf/tracking.py", "accelerate/accelerator.py"} <= sites, sites
+    return syncs_in(report, quiet)
 
 
 def assert_refused(result, message):
