@@ -93,7 +93,8 @@ LIBRARY_SYNCS = {
     # `padding_mask.all()`: can the mask be dropped (for SDPA's flash kernel)? In every forward of a model
     # that builds its mask with create_bidirectional_mask (BERT among them), eager attention too.
     "transformers": "transformers/masking_utils.py",
-    # ZeRO's step checks the gradient norm for inf and nan with bool() (deepspeed/runtime/utils.py).
+    # ZeRO's step checks the gradient norm for inf and nan with bool() (`is_invalid_grad_norm`) and, with
+    # 16-bit weights, reads its overflow flag (`has_overflow`, `.item()`).
     "deepspeed": "deepspeed/",
 }
 
