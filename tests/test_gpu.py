@@ -17,7 +17,7 @@ Each test mirrors CPU tests, read line by line; what differs is said here:
 | test_fsdp_resume_needs_allow_pickle | test_resume: test_deepspeed_resume_is_exact_and_needs_allow_pickle (its refusal half) | FSDP's sharded checkpoint, which CPU tests could only lay out by hand |
 | test_checkpoint_export_meets_the_runs_own_export | test_export: test_checkpoint_export_equals_the_weights_the_run_held_at_that_step, test_fsdp_checkpoint_layouts_export_too | real FSDP2 and bf16 ZeRO checkpoints; under DeepSpeed 16-bit the run's export is the 16-bit weights it trained with, the checkpoint's the fp32 master weights: equal once rounded |
 | test_export_serves_a_pipeline_on_the_gpu | test_export: test_checkpoint_export_is_a_complete_folder_that_loads_in_a_pipeline; test_zoo: assert_exported_model_loads | the pipeline runs on the GPU, and its probabilities match the same folder's on the CPU |
-| test_precision_is_what_the_launch_asked_for | test_zoo: test_cpu_yaml_with_bf16_from_the_launch_line | proves autocast ran (losses differ from fp32's), fp32 master weights under torch AMP, 16-bit weights under DeepSpeed, and fp16's loss scaler state in the checkpoint |
+| test_precision_is_what_the_launch_asked_for | test_zoo: test_cpu_yaml_with_bf16_from_the_launch_line | proves autocast ran (losses move away from the fp32 run's by more than padding's rounding), fp32 master weights under torch AMP, 16-bit weights under DeepSpeed, and fp16's loss scaler state in the checkpoint |
 | test_checkpoints_hold_the_cuda_rng_state | (none: a CPU has no CUDA RNG) | |
 | test_no_step_between_log_lines_waits_for_the_gpu | test_host_sync | torch's sync debug mode also reports what Python does not see: blocking batch copies, `nonzero`, ... |
 | test_the_default_job_end_to_end | (none: the README measures it on a CPU, 2 minutes) | `python train.py` at its defaults, accuracy above a stated floor |
@@ -26,8 +26,8 @@ What only a GPU exposes, and the assertion that catches it:
 - fp16 loss scaling: torch's GradScaler (ddp_fp16) keeps a finite power-of-two scale in the checkpoint
   and a resumed run replays it; DeepSpeed's own scaler (zero2_fp16) is resumed with the same check,
   and its export holds fp16 weights.
-- bf16 autocast with fused AdamW on CUDA: losses differ from the fp32 run's (autocast ran), weights
-  stay fp32 and are not bf16-rounded (fused AdamW updates the fp32 weights), losses finite.
+- bf16 autocast with fused AdamW on CUDA: losses move away from the fp32 run's (autocast ran),
+  weights stay fp32 and are not bf16-rounded (fused AdamW updates the fp32 weights), losses finite.
 - FSDP2: the run itself (wrapping BertLayer fails the launch if the class is wrong), its sharded
   checkpoint resumes and exports the same weights as the run's own export, and needs --allow_pickle.
 - NCCL shutdown: no process-group warning at exit, exit code 0, for every file that forms a group.
@@ -253,11 +253,14 @@ def test_precision_is_what_the_launch_asked_for(name, trained):
     representable = all(torch.equal(w, w.to(sixteen_bit).float()) for w in weights.values())
     if stage is None:
         # torch autocast: 16-bit matmuls, fp32 weights that fused AdamW updates in fp32. A run that
-        # silently stayed fp32 would log the fp32 run's first loss but for the rounding (about 1e-7) of
-        # its padding to multiples of 8; 16-bit matmuls move it far more.
-        first, fp32_first = losses(out)[1], losses(trained("single_gpu")[0])[1]
-        record("autocast", run=name, first_loss=first, fp32_first_loss=fp32_first)
-        assert 1e-5 < abs(first - fp32_first) < 0.05, (first, fp32_first)
+        # silently stayed fp32 would log the fp32 run's losses but for the rounding of its padding to
+        # multiples of 8 (sums with more exact zeros: 1e-7 at most). On a CPU, bf16 autocast moved this
+        # job's losses by 8e-6 at the first step (logits near 0 at initialisation: the loss is ln 2
+        # whatever they are) and by up to 2e-4 over the 8 steps; fp16 keeps 3 more bits.
+        autocast, fp32 = losses(out), losses(trained("single_gpu")[0])
+        gap = max(abs(autocast[step] - fp32[step]) for step in fp32)
+        record("autocast", run=name, largest_loss_gap_to_fp32=gap)
+        assert {"bf16": 2e-5, "fp16": 2e-6}[precision] < gap < 0.1, (autocast, fp32)
         assert all(w.dtype == torch.float32 for w in weights.values()) and not representable
     else:
         # DeepSpeed trains 16-bit weights (with fp32 master copies in the optimizer): the export gathers them.
