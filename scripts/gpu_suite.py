@@ -33,8 +33,8 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The benchmark's module; it moves from textclf/bench.py to benchmarks/ (then: "benchmarks").
-BENCH_MODULE = os.environ.get("TEXTCLF_BENCH_MODULE", "textclf.bench")
+# The benchmark's module (`python -m benchmarks`), in one place.
+BENCH_MODULE = os.environ.get("TEXTCLF_BENCH_MODULE", "benchmarks")
 # Packages whose versions the report gives, and where each came from (carried wheels or the machine).
 PACKAGES = ("torch", "accelerate", "transformers", "tokenizers", "datasets", "evaluate", "deepspeed", "peft",
             "safetensors", "huggingface-hub", "pyarrow", "fsspec", "numpy", "pydantic", "snownlp", "pytest",
@@ -187,7 +187,8 @@ def environment(site: str, env: dict) -> dict:
     return facts
 
 
-OUTCOME = re.compile(r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(tests/\S+)|(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)")
+OUTCOME = re.compile(r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(tests/\S+)"
+                     r"|(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)")
 
 
 def test_outcomes(log: Path, junit: Path) -> list[dict]:

@@ -1,26 +1,23 @@
 """The zoo on one CUDA GPU: every file trains, evaluates, resumes, exports, and its export serves a
 `pipeline` on the GPU; and the default job runs end to end. Without CUDA every test here is skipped,
 saying why (CI has no GPU). On a GPU machine: `python -m pytest -m gpu -n 6 --dist loadgroup`, or
-scripts/gpu_suite.sh, which prepares a bare machine and writes a report (docs/gpu.md).
+scripts/gpu_suite.py, which prepares a bare machine and writes a report (docs/gpu.md).
 
 One GPU means one process: `--num_processes 1` for the files that name 8, and every ZeRO file with
 `--mixed_precision bf16` (zero2 also with fp16, for DeepSpeed's own loss scaler). A single process
 still goes through each strategy's code: DDP's and FSDP's NCCL group (of one), FSDP2's per-layer
 wrapping and its sharded checkpoints, DeepSpeed's ZeRO optimizer, offload and checkpoint files.
 
-Each test mirrors CPU tests, read line by line; what differs is said here:
-
-| GPU test | mirrors (CPU) | what differs on the GPU |
-|---|---|---|
-| test_the_file_runs_its_strategy_on_the_gpu | test_zoo: test_cpu_yaml_is_ddp_over_two_real_processes, test_zero_configs_run_their_stage_and_offload_and_export_full_weights; test_train: test_two_processes_really_ran_and_said_so, test_log_has_every_step_... | 1 process, not 2; bf16 under ZeRO. run.json must name CUDA as the device, and stderr must not hold torch's warning that a process group was left alive (NCCL shut down by end_training). ZeRO's export is not compared with DDP's: a bf16 run does not train the fp32 run's weights (compared instead with its own checkpoint, below) |
-| test_resume_on_the_gpu_reproduces_the_uninterrupted_run | test_resume: test_one_process_resume_is_bitwise_exact, test_deepspeed_resume_is_exact_and_needs_allow_pickle | the first step after the checkpoint must be bitwise equal (a forward pass: restored weights, batch order and CUDA RNG); later steps and the final weights within a stated bound, not bitwise: CUDA backward kernels may add in any order (atomics), which a CPU's do not. The gaps are recorded for the report |
-| test_fsdp_resume_needs_allow_pickle | test_resume: test_deepspeed_resume_is_exact_and_needs_allow_pickle (its refusal half) | FSDP's sharded checkpoint, which CPU tests could only lay out by hand |
-| test_checkpoint_export_meets_the_runs_own_export | test_export: test_checkpoint_export_equals_the_weights_the_run_held_at_that_step, test_fsdp_checkpoint_layouts_export_too | real FSDP2 and bf16 ZeRO checkpoints; under DeepSpeed 16-bit the run's export is the 16-bit weights it trained with, the checkpoint's the fp32 master weights: equal once rounded |
-| test_export_serves_a_pipeline_on_the_gpu | test_export: test_checkpoint_export_is_a_complete_folder_that_loads_in_a_pipeline; test_zoo: assert_exported_model_loads | the pipeline runs on the GPU, and its probabilities match the same folder's on the CPU |
-| test_precision_is_what_the_launch_asked_for | test_zoo: test_cpu_yaml_with_bf16_from_the_launch_line | proves autocast ran (losses move away from the fp32 run's by more than padding's rounding), fp32 master weights under torch AMP, 16-bit weights under DeepSpeed, and fp16's loss scaler state in the checkpoint |
-| test_checkpoints_hold_the_cuda_rng_state | (none: a CPU has no CUDA RNG) | |
-| test_no_step_between_log_lines_waits_for_the_gpu | test_host_sync | torch's sync debug mode also reports what Python does not see: blocking batch copies, `nonzero`, ... |
-| test_the_default_job_end_to_end | (none: the README measures it on a CPU, 2 minutes) | `python train.py` at its defaults, accuracy above a stated floor |
+Each test mirrors CPU tests, read line by line (docs/gpu.md has the table, with what differs):
+- test_the_file_runs_its_strategy_on_the_gpu: test_zoo's strategy tests; test_train's said-so and log tests
+- test_resume_on_the_gpu_reproduces_the_uninterrupted_run: test_resume's one-process and DeepSpeed resumes
+- test_fsdp_resume_needs_allow_pickle: test_resume's DeepSpeed resume (its refusal half)
+- test_checkpoint_export_meets_the_runs_own_export: test_export's checkpoint export and FSDP layouts
+- test_export_serves_a_pipeline_on_the_gpu: test_export's pipeline test; test_zoo's exported model loads
+- test_precision_is_what_the_launch_asked_for: test_zoo's bf16 from the launch line
+- test_no_step_between_log_lines_waits_for_the_gpu: test_host_sync
+- test_checkpoints_hold_the_cuda_rng_state, test_the_default_job_end_to_end: no CPU test (no CUDA RNG; the
+  default job takes 2 minutes on a CPU, measured in the README)
 
 What only a GPU exposes, and the assertion that catches it:
 - fp16 loss scaling: torch's GradScaler (ddp_fp16) keeps a finite power-of-two scale in the checkpoint
@@ -55,7 +52,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 ZOO = REPO / "accelerate_configs"
 ONE = ["--num_processes", "1"]
 NO_OFFLOAD = {"optimizer": "none", "param": "none"}
-# name: (zoo file, launch arguments, what run.json must say: distributed_type, mixed_precision, zero_stage, zero_offload)
+# name: (zoo file, launch arguments, what run.json must say: distributed_type, mixed_precision, zero_stage,
+# zero_offload)
 RUNS = {
     "single_gpu": ("single_gpu.yaml", [], ("NO", "no", None, None)),
     "ddp_bf16": ("ddp_bf16.yaml", ONE, ("MULTI_GPU", "bf16", None, None)),
@@ -93,7 +91,7 @@ def runs(*names):
 
 
 def record(test: str, **measured) -> None:
-    """What a test measured, for scripts/gpu_suite.sh's report (one JSON line per record)."""
+    """What a test measured, for scripts/gpu_suite.py's report (one JSON line per record)."""
     path = os.environ.get("GPU_SUITE_RESULTS")
     if path:
         with open(path, "a", encoding="utf-8") as f:
