@@ -21,7 +21,7 @@ import signal
 import threading
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
@@ -64,14 +64,15 @@ def main(cfg: TrainConfig) -> None:
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
         group_by_length=cfg.group_by_length, seed=cfg.seed, num_workers=cfg.dataloader_num_workers,
         # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
-        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None,
+        pin_memory=accelerator.device.type == "cuda")  # copied to the GPU without waiting for it (runtime.py)
     batches_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes)  # per process, once sharded
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, fused=True)
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     warmup_steps = cfg.warmup_steps or round(cfg.warmup_ratio * total_steps)  # steps win, as in TrainingArguments
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
@@ -113,6 +114,9 @@ def main(cfg: TrainConfig) -> None:
         start_epoch, skip = start_epoch + 1, 0
     progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
     window, metrics = tracking.Window(), {}
+    # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm: runtime.py); under it accelerate's
+    # clip_grad_norm_ would only read the norm back, which waits for the device at every step.
+    clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
         if step >= total_steps:
@@ -123,7 +127,7 @@ def main(cfg: TrainConfig) -> None:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm:
+                if accelerator.sync_gradients and clip:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()

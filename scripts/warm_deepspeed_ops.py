@@ -1,4 +1,4 @@
-"""Compile the DeepSpeed C++ ops that the zoo loads on a CPU machine, once, before anything is timed.
+"""Compile the DeepSpeed C++ ops that the zoo loads, once, before anything is timed.
 
     python scripts/warm_deepspeed_ops.py
 
@@ -9,7 +9,8 @@ cpu_adam, which the *_offload configs load; under a test's timeout, and with eve
 the same lock, that is a flaky suite. CI runs this script in one step before the tests.
 
 The ops are built with -march=native: a cache belongs to one machine type, so warm it where the
-tests run rather than restoring it from elsewhere. On a CUDA machine there is nothing to do here.
+tests run rather than restoring it from elsewhere. On a CUDA machine only cpu_adam is built: the
+offload files step the optimizer on the CPU there too (scripts/gpu_suite.py runs this first).
 """
 
 import os
@@ -18,23 +19,24 @@ import time
 
 import torch
 
-# Op builders, by the names DeepSpeed's accelerator knows them, and who loads each one.
+# Op builders, by the names DeepSpeed's accelerator knows them, who loads each one, and whether a CUDA
+# machine loads it too.
 OPS = {
-    "ShareMemCommBuilder": "deepspeed.comm at initialisation on CPU (every zero*.yaml launch)",
-    "CPUAdamBuilder": "DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)",
+    "ShareMemCommBuilder": ("deepspeed.comm at initialisation on CPU (every zero*.yaml launch)", False),
+    "CPUAdamBuilder": ("DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)",
+                       True),
 }
 
 
 def main() -> int:
-    if torch.cuda.is_available():
-        print("CUDA machine: the zoo's CPU ops are not used here; nothing to compile")
-        return 0
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import get_default_build_root
 
     accelerator = get_accelerator()
     print(f"torch extensions cache: {os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root()}")
-    for name, user in OPS.items():
+    for name, (user, on_cuda) in OPS.items():
+        if torch.cuda.is_available() and not on_cuda:
+            continue
         builder = accelerator.create_op_builder(name)
         if builder is None:
             print(f"error: DeepSpeed's {accelerator.device_name()} accelerator has no {name}", file=sys.stderr)

@@ -313,6 +313,20 @@ def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_fi
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 6)
 
 
+def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
+    """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads
+    the metadata of FSDP's sharded state with full pickle, as DeepSpeed reads its shards."""
+    from textclf.checkpoint import FSDP_SHARDED, IDENTITY, check_compatible
+    from textclf.errors import InputError
+
+    (tmp_path / FSDP_SHARDED).mkdir()
+    identity = {**dict.fromkeys(IDENTITY, "same"), "zero_stage": None}
+    position = {"step": 4, **identity}
+    with pytest.raises(InputError, match="written by FSDP, .* pass --allow_pickle if you trust this checkpoint"):
+        check_compatible(str(tmp_path), position, identity, allow_pickle=False)
+    check_compatible(str(tmp_path), position, identity, allow_pickle=True)
+
+
 # --- resume by path alone: the checkpoint's config, and what a flag may change ---
 
 def fake_checkpoint(folder, **made_with):

@@ -28,8 +28,8 @@ import torch
 from .config import TrainConfig, parse_config
 from .errors import InputError
 from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, parameter_counts, scratch_config, scratch_size
-from .runtime import COMPILE_REFUSED
-from .theory import BYTES_PER_PARAM, SHARDED_FROM_STAGE, model_state_bytes
+from .runtime import COMPILE_REFUSED, zero_offload
+from .theory import BYTES_PER_PARAM, OFFLOADED_BY, SHARDED_FROM_STAGE, model_state_bytes
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -223,13 +223,12 @@ def check_deepspeed_values(ds: dict, ds_place: str, cfg: TrainConfig, world: int
 
 def check_zero(zero: dict, ds_place: str, conflicts: list[str]) -> None:
     stage = zero.get("stage", 0)
-    offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none")
-    offload_param = zero.get("offload_param", {}).get("device", "none")
-    if offload_param != "none" and stage < 3:
-        conflicts.append(f"offload: {ds_place} offloads parameters to {offload_param} at ZeRO stage {stage}; "
+    offload = zero_offload(zero)
+    if offload["param"] != "none" and stage < 3:
+        conflicts.append(f"offload: {ds_place} offloads parameters to {offload['param']} at ZeRO stage {stage}; "
                          "DeepSpeed offloads parameters only at stage 3 (use stage 3, or offload_optimizer alone)")
-    if offload_optimizer != "none" and stage < 1:
-        conflicts.append(f"offload: {ds_place} offloads the optimizer to {offload_optimizer} at ZeRO stage 0; "
+    if offload["optimizer"] != "none" and stage < 1:
+        conflicts.append(f"offload: {ds_place} offloads the optimizer to {offload['optimizer']} at ZeRO stage 0; "
                          "DeepSpeed offloads the optimizer only at stages 1 to 3")
     if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
         conflicts.append(f"export: {ds_place} runs ZeRO-3 without \"stage3_gather_16bit_weights_on_model_save\": "
@@ -341,8 +340,8 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
                 zero = {}
             check_zero(zero, ds_place, conflicts)
             stage = zero.get("stage", 0)
-            offload = {part: zero.get(key, {}).get("device", "none")
-                       for part, key in (("optimizer states", "offload_optimizer"), ("weights", "offload_param"))}
+            devices = zero_offload(zero)
+            offload = {part: devices[setting] for part, setting in OFFLOADED_BY.items()}
     elif kind == "FSDP":
         stage = 0 if launch["fsdp_sharding_strategy"] == "NO_SHARD" else 3
         if launch["fsdp_offload_params"]:

@@ -14,10 +14,14 @@ import shutil
 from typing import Optional
 
 from accelerate import Accelerator
+from accelerate.utils.constants import FSDP_MODEL_NAME
 
 from .errors import InputError
 
 POSITION = "position.json"
+# Where accelerate's save_state puts FSDP's sharded model state: a torch.distributed.checkpoint folder,
+# whose metadata file torch reads with full pickle.
+FSDP_SHARDED = f"{FSDP_MODEL_NAME}_0"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # What must match between a checkpoint and the run resuming it, and how to say it.
 IDENTITY = {
@@ -96,14 +100,17 @@ def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pick
     when loading it would unpickle arbitrary objects without the user's say-so.
 
     Accelerate reads its own files (optimizer, scheduler, RNG states) with `weights_only=True` and
-    the model from safetensors; DeepSpeed reads its partition files with full pickle.
+    the model from safetensors; DeepSpeed reads its partition files with full pickle, and
+    torch.distributed.checkpoint (FSDP's sharded state) its metadata.
     """
     for key, what in IDENTITY.items():
         if position.get(key) != identity[key]:
             raise InputError(f"cannot resume from {checkpoint}: it was made with {what} = {position.get(key)}, "
                              f"this run has {identity[key]}; resume with the same settings")
-    if position.get("zero_stage") is not None and not allow_pickle:
-        raise InputError(f"{checkpoint} was written by DeepSpeed, whose files load only with full pickle, which "
+    writer = "DeepSpeed" if position.get("zero_stage") is not None else \
+        "FSDP" if os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)) else None
+    if writer and not allow_pickle:
+        raise InputError(f"{checkpoint} was written by {writer}, whose files load only with full pickle, which "
                          "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
 
 

@@ -377,11 +377,13 @@ class EpochLengthGroupedSampler(Sampler):
 
 
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
-                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None, num_workers: int = 0):
+                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None,
+                 pin_memory: bool = False, num_workers: int = 0):
     """Training and evaluation DataLoaders, before `accelerator.prepare` shards them.
 
     Each loader owns its generator: otherwise every new iterator draws a seed from the global RNG,
-    which shifts the dropout masks and breaks exact resume.
+    which shifts the dropout masks and breaks exact resume. `pin_memory` (for a GPU) puts batches in
+    page-locked memory, from which they are copied to the device while it works.
     """
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
@@ -390,17 +392,18 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
         # A group spans one micro-step of all processes, so every rank gets similar lengths.
         sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes, seed)
         train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
-                                  generator=generator, num_workers=num_workers)
+                                  generator=generator, pin_memory=pin_memory, num_workers=num_workers)
     else:
         train_loader = DataLoader(train, batch_size=train_batch_size, shuffle=True, collate_fn=collate,
-                                  generator=generator, num_workers=num_workers)
+                                  generator=generator, pin_memory=pin_memory, num_workers=num_workers)
     # Sorted by length, evaluation pads little; the metrics do not depend on the order.
-    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, num_workers)
+    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, pin_memory,
+                                       num_workers)
     return train_loader, eval_loader
 
 
 def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None,
-                         num_workers: int = 0) -> DataLoader:
+                         pin_memory: bool = False, num_workers: int = 0) -> DataLoader:
     """Batches of a tokenized table in order of length, longest first, for evaluation and prediction.
 
     Little padding, and a batch too big for memory fails at once rather than at the end. The order
@@ -412,4 +415,4 @@ def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_mult
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     # Its own generator: iterating must not draw from the global RNG (dropout masks, exact resume).
     return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator(),
-                      num_workers=num_workers)
+                      pin_memory=pin_memory, num_workers=num_workers)

@@ -12,11 +12,11 @@ from accelerate.utils import DynamoBackend, is_wandb_available
 from .config import TrainConfig
 from .errors import InputError
 
-# torch.compile is refused rather than half supported: measured on a CPU it made training slower (README,
-# "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
-COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager (README, "
-                   "\"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, which export, "
-                   "predict and a resume without it cannot read; launch with --dynamo_backend no")
+# torch.compile is refused rather than half supported: measured on a CPU it made training slower
+# (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
+COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager "
+                   "(docs/benchmark.md, \"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, "
+                   "which export, predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -44,7 +44,10 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         log_with=trackers,
         project_dir=cfg.output_dir,
         # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
+        # a blocking copy would wait for the previous step to finish before the next could be queued.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                  non_blocking=has_cuda),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
     )
     dynamo_backend = accelerator.state.dynamo_plugin.backend
@@ -95,18 +98,10 @@ def check_trackers(report_to: str) -> None:
                              "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
 
 
-def zero_stage(accelerator: Accelerator):
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin.zero_stage if plugin is not None else None
-
-
-def zero_offload(accelerator: Accelerator):
-    """Where DeepSpeed keeps optimizer states and parameters: {"optimizer": "cpu", "param": "none"}."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return None
-    zero = plugin.deepspeed_config.get("zero_optimization", {})
-    return {part: zero.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
+def zero_offload(zero_optimization: dict) -> dict[str, str]:
+    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
+    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
+    return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
@@ -121,13 +116,14 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
     except ImportError:
         deepspeed_version = None
     micro = cfg.per_device_train_batch_size
+    plugin = accelerator.state.deepspeed_plugin
     return {
         "distributed_type": str(accelerator.distributed_type.value),
         "num_processes": accelerator.num_processes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1))),
         "mixed_precision": accelerator.mixed_precision,
-        "zero_stage": zero_stage(accelerator),
-        "zero_offload": zero_offload(accelerator),
+        "zero_stage": plugin.zero_stage if plugin else None,
+        "zero_offload": zero_offload(plugin.deepspeed_config.get("zero_optimization", {})) if plugin else None,
         "device": str(accelerator.device),
         "micro_batch_size": micro,
         "global_batch_size": micro * cfg.gradient_accumulation_steps * accelerator.num_processes,
