@@ -375,6 +375,10 @@ def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path)
                         "--report_to", "tensorboard", "--dataloader_num_workers", "1", "--allow_pickle"])
     assert (cfg.max_steps, cfg.logging_steps, cfg.eval_steps, cfg.per_device_train_batch_size) == (50, 5, 4, 6)
     assert cfg.output_dir == str(tmp_path / "elsewhere")
+    assert cfg.eval_strategy == "steps"  # the checkpoint evaluated never; --eval_steps asks for it, as in a new run
+    evaluated = fake_checkpoint(tmp_path / "evaluated" / "step_8", eval_strategy="steps", eval_steps=8)
+    assert parse_config(["--resume", str(evaluated), "--eval_strategy", "no"]).eval_strategy == "no"
+    assert parse_config(["--resume", str(evaluated)]).eval_strategy == "steps"
 
 
 @pytest.mark.parametrize("flags, made, asked", [

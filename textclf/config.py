@@ -362,6 +362,8 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     if unknown:
         raise InputError(f"cannot resume from {path}: its config has option(s) {', '.join(unknown)} that this "
                          "train.py does not know; resume it with the version of train.py that made it")
+    if config.get("eval_strategy") == ("steps" if config.get("eval_steps") else "no"):
+        config["eval_strategy"] = None  # derived from eval_steps: derive it again, from this run's eval_steps
     return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None}
 
 
