@@ -73,8 +73,7 @@ def main(cfg: TrainConfig) -> None:
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
-    warmup_steps = cfg.warmup_steps or round(cfg.warmup_ratio * total_steps)  # steps win, as in TrainingArguments
-    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    scheduler = get_linear_schedule_with_warmup(optimizer, cfg.num_warmup_steps(total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:

@@ -220,6 +220,10 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def num_warmup_steps(self, total_steps: int) -> int:
+        """warmup_steps when given, else warmup_ratio of the run's optimizer steps (as TrainingArguments)."""
+        return self.warmup_steps or round(self.warmup_ratio * total_steps)
+
 
 def describe_cadence(strategy: str, steps: Optional[int]) -> str:
     return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
