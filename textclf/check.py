@@ -29,6 +29,7 @@ from .config import TrainConfig, parse_config
 from .errors import InputError
 from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, parameter_counts, scratch_config, scratch_size
 from .runtime import COMPILE_REFUSED, zero_offload
+from .task import Task
 from .theory import BYTES_PER_PARAM, OFFLOADED_BY, SHARDED_FROM_STAGE, model_state_bytes
 
 PRECISIONS = ("no", "fp16", "bf16")
@@ -293,12 +294,14 @@ def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     size = scratch_size(cfg.model)
-    # Two labels: the head is hidden_size x labels, a rounding error next to the body.
+    # The task's fewest labels (the data is not read): the head is hidden_size x labels, a rounding error
+    # next to the body.
+    num_labels = Task.from_config(cfg).fewest_labels
     if size:  # build_model's scratch BERT, with the vocabulary at its cap (the learnt one is at most this)
-        config = scratch_config(size, SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=2)
+        config = scratch_config(size, SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=num_labels)
     else:
         try:
-            config = AutoConfig.from_pretrained(cfg.model, num_labels=2)
+            config = AutoConfig.from_pretrained(cfg.model, num_labels=num_labels)
         except (OSError, ValueError) as e:
             raise InputError(f"cannot read the config of model '{cfg.model}': {str(e).splitlines()[0]}") from None
     with torch.device("meta"):

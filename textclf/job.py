@@ -8,12 +8,13 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TrainConfig
-from .data import fingerprint, load_splits, tokenize
+from .data import all_texts, fingerprint, load_splits, tokenize
 from .modeling import apply_lora, build_model, get_tokenizer
+from .task import Task
 
 
 class Job(NamedTuple):
-    train_set: Dataset  # tokenized: input_ids, attention_mask, labels, length
+    train_set: Dataset  # tokenized: input_ids, attention_mask (token_type_ids), labels, length
     eval_set: Dataset
     label_names: list[str]
     tokenizer: PreTrainedTokenizerBase
@@ -28,13 +29,14 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     as `accelerator.local_main_process_first`: the other processes then find both in the caches.
     Everything the user can get wrong here is an InputError, raised before anything is written.
     """
-    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
-                                                   cfg.eval_split, cfg.seed, cfg.delimiter, cfg.encoding)
+    task = Task.from_config(cfg)
+    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, task, cfg.eval_split, cfg.seed,
+                                                   cfg.delimiter, cfg.encoding)
     data_fingerprint = fingerprint(train_set)
     with tokenizer_first():
-        tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, data_fingerprint, cfg.max_length)
+        tokenizer = get_tokenizer(cfg.model, all_texts(train_set), cfg.cache_dir, data_fingerprint, cfg.max_length)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
-    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length)
+    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length, task.problem_type)
     if cfg.lora:  # before prepare: DDP and DeepSpeed must see which parameters train
         model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     return Job(train_set, eval_set, label_names, tokenizer, model, data_fingerprint)

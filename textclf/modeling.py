@@ -2,6 +2,7 @@
 texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
 import os
+from typing import Optional
 
 from transformers import (
     AutoModelForSequenceClassification,
@@ -71,10 +72,12 @@ def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> Bert
                       max_position_embeddings=max(512, max_length), **SCRATCH_SIZES[size], **extra)
 
 
-def build_model(model: str, tokenizer, label_names: list[str], max_length: int) -> PreTrainedModel:
-    """A sequence classifier whose config carries the label names of the data."""
+def build_model(model: str, tokenizer, label_names: list[str], max_length: int,
+                problem_type: Optional[str] = None) -> PreTrainedModel:
+    """A sequence classifier whose config carries the label names of the data and the task's `problem_type`
+    (which picks the model's loss: cross-entropy, binary cross-entropy per label, or squared error)."""
     labels = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-                  label2id={name: i for i, name in enumerate(label_names)})
+                  label2id={name: i for i, name in enumerate(label_names)}, problem_type=problem_type)
     size = scratch_size(model)
     if size:
         config = scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **labels)
