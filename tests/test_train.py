@@ -143,6 +143,24 @@ BAD_INPUTS = {
                         "per_device_train_batch_size must be a positive integer, got 0"),
     "negative batch size": (lambda d: ["--per_device_eval_batch_size", "-1"],
                             "per_device_eval_batch_size must be a positive integer, got -1"),
+    # Tasks (tests/test_tasks.py trains them):
+    "missing pair column": (lambda d: ["--data", _write(d / "p.csv", "label,first\nsame,好\ndifferent,差\n"),
+                                       "--text_column", "first", "--text_pair_column", "second"],
+                            "has no text_pair column 'second'; its columns are: label, first "
+                            "(choose with --text_pair_column)"),
+    "multi-label cell that does not parse": (
+        lambda d: ["--task", "multi_label",
+                   "--data", _write(d / "m.csv", 'label,review\n"[""服务""]",好\n"[服务,",差\n')],
+        "m.csv row 2: label cell '[服务,' does not parse as a JSON list"),
+    "non-numeric regression target": (lambda d: ["--task", "regression", "--data",
+                                                 _write(d / "r.csv", "label,review\n4.5,好\ngood,差\n")],
+                                      "r.csv row 2: label 'good' in column 'label' is not a finite number"),
+    "label name unseen in training": (
+        lambda d: ["--task", "multi_label", "--label_separator", "|",
+                   "--data", _write(d / "t.jsonl", '{"review": "好", "label": ["服务"]}\n'
+                                                   '{"review": "差", "label": ["房间", "服务"]}\n'),
+                   "--eval_data", _write(d / "e.csv", "label,review\n服务|早餐,一般\n")],
+        "e.csv has label(s) 早餐 not seen in the training data (known: 房间, 服务)"),
 }
 
 
