@@ -35,6 +35,12 @@ def test_report_prints_the_table_with_the_ten_category_names_and_draws_the_matri
         assert [float(value) for value in row[0][1:4]] == pytest.approx(
             [scores["precision"], scores["recall"], scores["f1"]], abs=1e-4)
     assert f"accuracy {report['accuracy']:.4f} | macro-F1 {report['f1']:.4f} | 200 examples" in result.stdout
+    # Beside it, the baseline fitted on the examples the model was trained on: 600 less the 10% held out. Each
+    # review names its category, so character n-grams find it.
+    baseline = report["baseline"]
+    assert baseline["train_examples"] == 540 and baseline["method"].startswith("TF-IDF of character 1-3-grams")
+    assert f"baseline: accuracy {baseline['accuracy']:.4f} | macro-F1 {baseline['f1']:.4f} | TF-IDF" in result.stdout
+    assert baseline["accuracy"] > 0.8
 
     # The JSON agrees with itself: the matrix counts every example, its diagonal is the accuracy.
     assert report["labels"] == CATEGORIES and list(report["per_class"]) == CATEGORIES

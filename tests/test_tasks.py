@@ -236,6 +236,18 @@ def test_each_tasks_scores_and_which_way_is_better():
     assert not task.greater_is_better("eval_mse") and task.greater_is_better("eval_pearson")
 
 
+def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
+    from textclf.config import parse_config
+    from textclf.errors import InputError
+
+    assert parse_config([]).metric_for_best_model == "eval_f1"
+    assert parse_config(["--task", "regression"]).metric_for_best_model == "eval_mse"
+    assert parse_config(["--task", "multi_label"]).metric_for_best_model == "eval_micro_f1"
+    assert parse_config(["--metric_for_best_model", "accuracy"]).metric_for_best_model == "eval_accuracy"
+    with pytest.raises(InputError, match="eval_f1 is not a score of task regression"):
+        parse_config(["--task", "regression", "--metric_for_best_model", "eval_f1"])
+
+
 def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
     from textclf.checkpoint import rotate
 

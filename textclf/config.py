@@ -242,7 +242,7 @@ class TrainConfig:
 
     def _check_task(self):
         """The task's options agree; the best checkpoint's metric is one the task computes."""
-        from .task import MAIN_METRIC, Task  # here, not at the top: `--help` need not import datasets
+        from .task import MAIN_METRIC, Task  # here, not at the top: the task imports datasets, parsing needs none
 
         if self.text_pair_column == self.text_column:
             raise InputError(f"text_pair_column is the text column '{self.text_column}'; name a second column")
@@ -250,7 +250,8 @@ class TrainConfig:
             raise InputError("label_separator must not be empty")
         if not 0 < self.threshold < 1:
             raise InputError(f"threshold must be in (0, 1), got {self.threshold}")
-        self.metric_for_best_model = self.metric_for_best_model or MAIN_METRIC[self.task]
+        metric = self.metric_for_best_model or MAIN_METRIC[self.task]
+        self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
         metrics = Task.from_config(self).metrics
         if self.metric_for_best_model not in metrics:
             raise InputError(f"metric_for_best_model {self.metric_for_best_model} is not a score of task {self.task} "
