@@ -64,9 +64,10 @@ def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path
                          "here; pass it with --train_data (or leave the baseline out with --no_baseline)")
     if cfg.eval_data:
         columns = (task.text_column, task.label_column, task.text_pair_column)
-        train, train_names = labelled(select_columns(load_table(cfg.data), cfg.data, *columns), cfg.data, task)
+        table = load_table(cfg.data, cfg.delimiter, cfg.encoding)
+        train, train_names = labelled(select_columns(table, cfg.data, *columns), cfg.data, task)
     else:
-        train, _, train_names = load_splits(cfg.data, None, task, cfg.eval_split, cfg.seed)
+        train, _, train_names = load_splits(cfg.data, None, task, cfg.eval_split, cfg.seed, cfg.delimiter, cfg.encoding)
     if train_names != names:
         raise InputError(f"the training data {cfg.data} has labels {', '.join(train_names)}; the model has "
                          f"{', '.join(names)}: pass the data it was trained on with --train_data")
@@ -150,11 +151,13 @@ def draw_predicted_vs_true(references: list[float], predictions: list[float], ti
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m textclf.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
-    parser.add_argument("--file", required=True, help="labelled data: CSV, JSON Lines, JSON or a `datasets` folder")
+    parser.add_argument("--file", required=True, help="labelled data, in any format --data takes")
     add_task_options(parser)
     parser.add_argument("--label_column", help="the column that holds the true label (default: the training run's)")
     parser.add_argument("--label_separator", help="multi_label: what separates the names in a CSV label cell "
                                                   "(default: the training run's)")
+    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
+    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
     parser.add_argument("--output_dir", required=True, help=f"where {REPORT} and the picture go")
     parser.add_argument("--train_data", help="the baseline's training data (default: the training run's `data`, "
                                              "split as the run split it)")
@@ -173,7 +176,8 @@ def main(argv=None) -> None:
     names = label_names(model)
     columns = (task.text_column, task.label_column, task.text_pair_column)
     # A label the model does not know stops it here.
-    table, _ = labelled(select_columns(load_table(args.file), args.file, *columns), args.file, task, names)
+    table = load_table(args.file, args.delimiter, args.encoding)
+    table, _ = labelled(select_columns(table, args.file, *columns), args.file, task, names)
     knows_training_data = bool(args.train_data or read_training(args.model))
     train = training_examples(cfg, task, names, args.model) if knows_training_data and not args.no_baseline else None
     pairs = table["text_pair"][:] if task.text_pair_column else None
