@@ -220,6 +220,10 @@ def test_logits_become_each_tasks_predictions_and_rows():
     assert sum(rows[0][f"prob_{n}"] for n in names) == pytest.approx(1)
     regression = Task("regression", "t", "l")
     assert regression.prediction_rows(["x"], None, torch.tensor([[3.25]]), ["score"]) == [{"text": "x", "score": 3.25}]
+    # Without --output, predict prints one line per row: the prediction, then the text(s).
+    assert single.terminal_line(rows[1]) == f"b\t{rows[1]['prob_b']:.4f}\ty\tq"
+    assert multi.terminal_line(multi.prediction_rows(["x"], None, logits[:1], names)[0]) == "a,c\tx"
+    assert regression.terminal_line({"text": "x", "score": 3.25}) == "3.2500\tx"
 
 
 def test_each_tasks_scores_and_which_way_is_better():
@@ -246,6 +250,20 @@ def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
     assert parse_config(["--metric_for_best_model", "accuracy"]).metric_for_best_model == "eval_accuracy"
     with pytest.raises(InputError, match="eval_f1 is not a score of task regression"):
         parse_config(["--task", "regression", "--metric_for_best_model", "eval_f1"])
+
+
+def test_the_best_model_and_patience_follow_the_tasks_direction():
+    from textclf.cadence import track_best
+
+    best = None
+    for step, mse in [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.5)]:
+        best = track_best(best, step, {"eval_mse": mse}, "eval_mse", f"out/step_{step}", greater_is_better=False)
+    assert (best["step"], best["value"], best["evaluations_without_improvement"]) == (4, 0.5, 2)  # a tie: newer
+    best = None
+    for step, pearson in [(1, None), (2, 0.3), (3, None)]:  # undefined: constant predictions
+        best = track_best(best, step, {"eval_pearson": pearson}, "eval_pearson", f"out/step_{step}")
+        assert best is None if step == 1 else best["step"] == 2
+    assert best["evaluations_without_improvement"] == 1
 
 
 def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
