@@ -36,13 +36,18 @@ REPORT = "report.json"
 PICTURES = {"single_label": "confusion_matrix.png", "regression": "predicted_vs_true.png"}
 
 
+def task_scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
+    """The task's scores as training's evaluation computes them; macro-F1 over every class the model has."""
+    labels = list(range(len(names))) if task.kind == "single_label" else None
+    return compute_scores(task.kind, predictions, references, labels=labels)
+
+
 def scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
-    """The task's scores as training's evaluation computes them, the per-class (single_label) or per-label
-    (multi_label) table, and the confusion matrix (single_label)."""
+    """The task's scores, the per-class (single_label) or per-label (multi_label) table, and the confusion
+    matrix (single_label)."""
     single = task.kind == "single_label"
     labels = list(range(len(names)))
-    report = {"samples": len(references),
-              **compute_scores(task.kind, predictions, references, labels=labels if single else None)}
+    report = {"samples": len(references), **task_scores(task, references, predictions, names)}
     if task.kind == "regression":
         return report
     table = classification_report(references, predictions, labels=labels, target_names=names, output_dict=True,
@@ -71,7 +76,8 @@ def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path
     if train_names != names:
         raise InputError(f"the training data {cfg.data} has labels {', '.join(train_names)}; the model has "
                          f"{', '.join(names)}: pass the data it was trained on with --train_data")
-    if fingerprint(train) != read_training(model_path).get("data_fingerprint", fingerprint(train)):
+    trained_on = read_training(model_path).get("data_fingerprint")
+    if trained_on and fingerprint(train) != trained_on:
         print(f"warning: the examples of {cfg.data} are not those {model_path} was trained on; the baseline is "
               "fitted on them all the same", file=sys.stderr)
     return train
@@ -190,7 +196,7 @@ def main(argv=None) -> None:
         print(f"model:    {task.summary(report, prefix='', separator=' | ')} | {len(table)} examples of {args.file}")
         if train is not None:
             baseline, about = baseline_predictions(task, train, table)
-            report["baseline"] = {**about, **compute_scores(task.kind, baseline, references)}
+            report["baseline"] = {**about, **task_scores(task, references, baseline, names)}
             print(f"baseline: {task.summary(report['baseline'], prefix='', separator=' | ')} | {about['method']}, "
                   f"fitted in {about['fit_seconds']:.1f} s on the {about['train_examples']} examples the model "
                   "was trained on")
