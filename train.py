@@ -16,7 +16,7 @@ import threading
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from transformers import get_scheduler
 
 from textclf import checkpoint, tracking
 from textclf.config import TrainConfig, parse_config
@@ -66,7 +66,7 @@ def main(cfg: TrainConfig) -> None:
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:
