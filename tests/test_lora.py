@@ -42,9 +42,10 @@ def lora_run(tmp_path_factory, lora_args):
 
 
 def adapter_model(folder):
-    """The exported adapter, loaded the way peft documents it: base model, then the adapter on top."""
-    base = AutoModelForSequenceClassification.from_pretrained(folder / "base")
-    return PeftModel.from_pretrained(base, folder).eval()
+    """The exported folder as transformers loads it: the base model in it, and the adapter beside it on top."""
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert model.active_adapters() == ["default"]
+    return model
 
 
 def logits(model, folder, texts=TEXTS):
@@ -107,7 +108,7 @@ def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tm
     run_train([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
               config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert losses(resumed)[2] == losses(out)[2]
-    for name in ("adapter_model.safetensors", "base/model.safetensors"):
+    for name in ("adapter_model.safetensors", "model.safetensors"):
         uninterrupted, continued = load_file(out / "model" / name), load_file(resumed / "model" / name)
         assert uninterrupted.keys() == continued.keys()
         assert all(torch.equal(uninterrupted[key], continued[key]) for key in uninterrupted), name
