@@ -29,9 +29,15 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
+# Where the check looks for a scratch model's learnt tokenizer unless a test names a --cache_dir: nowhere, as
+# on a machine where nothing ran yet, so that the check reads no data.
+NO_CACHE = ["--cache_dir", "/nonexistent/textclf-cache"]
+
+
 def run_check(capsys, *argv):
     """(exit status, stdout, stderr) of `python -m textclf.check argv`, run in this process."""
-    status = check.main([str(a) for a in argv])
+    argv = [str(a) for a in argv]
+    status = check.main(argv if "--cache_dir" in argv else argv + NO_CACHE)
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -147,8 +153,8 @@ def test_memory_estimate_follows_the_zero_paper():
     assert model_state_bytes(params, 1000, world=1, stage=0, sixteen_bit=False)["optimizer states"] == 8000
 
 
-def test_parameter_count_is_the_model_train_py_builds_and_lora_trains_a_fraction():
-    cfg = parse_config(["--model", "scratch-tiny"])
+def test_before_any_run_a_scratch_model_s_count_is_an_upper_bound_at_the_vocabulary_cap():
+    cfg = parse_config(["--model", "scratch-tiny", *NO_CACHE])
     total, trainable = check.count_parameters(cfg)
     assert total == trainable
     # scratch-tiny: 2 layers, hidden 128, intermediate 512, vocabulary 8000, 512 positions, 2 labels.
@@ -156,8 +162,68 @@ def test_parameter_count_is_the_model_train_py_builds_and_lora_trains_a_fraction
     layer = 4 * (128 * 128 + 128) + 2 * 128 + (128 * 512 + 512) + (512 * 128 + 128) + 2 * 128
     head = (128 * 128 + 128) + (128 * 2 + 2)
     assert total == embeddings + 2 * layer + head
-    lora_total, lora_trainable = check.count_parameters(parse_config(["--model", "scratch-tiny", "--lora"]))
-    assert lora_total > total and lora_trainable < total / 10
+    assert "an upper bound: the vocabulary at its cap of 8,000 tokens" in check.planned_model(cfg)[1]
+
+
+@pytest.fixture(scope="module")
+def learnt_job(reviews_csv, tmp_path_factory):
+    """What train.py builds for scratch-tiny with LoRA on the reviews (it learns and caches their tokenizer)."""
+    from textclf.job import build_job
+
+    cache = tmp_path_factory.mktemp("tokenizer_cache")
+    args = ["--model", "scratch-tiny", "--data", str(reviews_csv), "--cache_dir", str(cache), "--max_length", "32"]
+    return args, build_job(parse_config([*args, "--lora"]))
+
+
+def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary(capsys, learnt_job):
+    from textclf.modeling import parameter_counts
+
+    args, job = learnt_job
+    expected = parameter_counts(job.model)
+    assert check.count_parameters(parse_config([*args, "--lora"])) == (expected["params"], expected["trainable"])
+    status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", *args, "--lora")
+    assert status == 0
+    shown = report(out)["model"]
+    assert f"{expected['params'] / 1e6:.2f}M parameters, {expected['trainable'] / 1e6:.2f}M trainable" in shown
+    assert f"({expected['trainable'] / expected['params']:.2%}, LoRA)" in shown
+    assert f"the vocabulary of {len(job.tokenizer):,} tokens learnt from this data (cached)" in shown
+    assert len(job.tokenizer) < 8000
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_pretrained_model_s_count_is_the_model_train_py_builds(llama_model, reviews_csv, tmp_path, lora):
+    from textclf.job import build_job
+    from textclf.modeling import parameter_counts
+
+    args = ["--model", str(llama_model), "--data", str(reviews_csv), "--cache_dir", str(tmp_path), "--max_length", "32",
+            *(["--lora"] if lora else [])]
+    built = parameter_counts(build_job(parse_config(args)).model)
+    assert check.count_parameters(parse_config(args)) == (built["params"], built["trainable"])
+    assert (built["trainable"] < built["params"]) == lora
+
+
+def test_fsdp_wraps_the_model_s_own_layer_class_whatever_its_family(capsys, llama_model, gpt2_model):
+    assert "fsdp_transformer_layer_cls_to_wrap" not in yaml.safe_load(
+        (REPO / "accelerate_configs" / "fsdp.yaml").read_text())["fsdp_config"]
+    for model, layer in (("scratch-tiny", "BertLayer"), (llama_model, "LlamaDecoderLayer"), (gpt2_model, "GPT2Block")):
+        status, out, err = run_check(capsys, "--config_file", "accelerate_configs/fsdp.yaml", "--target", "cuda",
+                                     "--model", model, "--max_length", 32)
+        assert status == 0, err
+        assert layer in report(out)["fsdp wraps"] and "the model's own layer class" in report(out)["fsdp wraps"]
+
+
+def test_an_fsdp_yaml_naming_a_class_the_model_does_not_have_is_a_conflict(capsys, tmp_path, llama_model):
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
+    config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "BertLayer"
+    variant = write_yaml(tmp_path / "fsdp_bert.yaml", "fsdp.yaml", fsdp_config=config["fsdp_config"])
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda", "--model", llama_model,
+                               "--max_length", 32)
+    assert status == 1
+    [line] = conflicts(err)
+    assert str(variant) in line and "BertLayer" in line and "LlamaDecoderLayer" in line
+    status, out, err = run_check(capsys, "--config_file", variant, "--target", "cuda", "--model", "scratch-tiny")
+    assert status == 0, err
+    assert report(out)["fsdp wraps"] == f"BertLayer (named in {variant})"
 
 
 # --- conflicts: each variant below is one mistake, and the check names both places ---
