@@ -348,11 +348,14 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     counts = parameter_counts(model)
     params, trainable = counts["params"], counts["trainable"]
     sixteen_bit = kind == "DEEPSPEED" and precision != "no"  # torch autocast keeps fp32 weights and states
-    memory = model_state_bytes(params, trainable, world=max(world, 1), stage=stage, sixteen_bit=sixteen_bit)
+    loaded = cfg.torch_dtype if cfg.torch_dtype != "auto" else str(getattr(model.config, "dtype", None) or "float32")
+    layout = ("16-bit" if sixteen_bit else
+              "16-bit weights" if loaded.removeprefix("torch.") in ("bfloat16", "float16") else "fp32")
+    memory = model_state_bytes(params, trainable, world=max(world, 1), stage=stage, layout=layout)
     sharded = [part for part in memory if stage >= SHARDED_FROM_STAGE[part]]
     offloaded = [part for part, device in offload.items() if device != "none"]
     peak = predicted_peak(cfg, model.config, memory, offloaded, kind=kind, world=max(world, 1), stage=stage, zero=zero,
-                          sixteen_bit=sixteen_bit, precision=precision, params=params, trainable=trainable,
+                          layout=layout, precision=precision, params=params, trainable=trainable,
                           on_gpu=has_cuda(args.target))
     report = [
         ("accelerate config", launch["path"] or "none: one process, as `python train.py`"),
@@ -371,31 +374,34 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         ("memory per rank", f"{human(sum(memory.values()))}: "
                             + ", ".join(f"{part} {human(n)}" + (" (CPU)" if part in offloaded else "")
                                         for part, n in memory.items())),
-        ("", f"{'+'.join(map(str, BYTES_PER_PARAM['16-bit' if sixteen_bit else 'fp32']))} bytes per parameter "
-             f"(ZeRO paper); sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}"),
+        ("", f"{'+'.join(map(str, BYTES_PER_PARAM[layout]))} bytes per parameter "
+             f"({'the weights in ' + loaded if layout == '16-bit weights' else 'ZeRO paper'}); sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}"),
         *peak,
     ]
     return report, warnings, conflicts
 
 
 def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, kind: str, world: int, stage: int,
-                   zero: dict, sixteen_bit: bool, precision: str, params: int, trainable: int,
+                   zero: dict, layout: str, precision: str, params: int, trainable: int,
                    on_gpu: bool) -> list[tuple[str, str]]:
     """The report's lines for the peak memory one rank will hold: model states, what DDP or DeepSpeed add
     (theory.framework_buffer_bytes), activations, and on a CPU the process itself."""
     buffers = framework_buffer_bytes(
-        params, trainable, world=world, stage=stage, sixteen_bit=sixteen_bit, ddp=kind in ("MULTI_GPU", "MULTI_CPU"),
+        params, trainable, world=world, stage=stage, layout=layout,
+        strategy={"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "DEEPSPEED": "deepspeed"}.get(kind, kind),
         live_parameters=zero.get("stage3_max_live_parameters", 1e9) if kind == "DEEPSPEED" else 0)
     activations = activation_bytes(
         layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
         micro_batch=cfg.per_device_train_batch_size, sequence=cfg.max_length,
-        bytes_per_value=2 if precision != "no" or cfg.torch_dtype in ("bfloat16", "float16") else 4,
+        bytes_per_value=2 if precision != "no" or layout != "fp32" else 4,
         checkpointing=cfg.gradient_checkpointing)
-    # Offloaded states leave a GPU; on a CPU they stay in the same memory.
+    # Offloaded states leave a GPU (the optimizer's fp32 buffers with its states); on a CPU they stay.
     held = sum(n for part, n in states.items() if not (on_gpu and part in offloaded))
+    if on_gpu and "optimizer states" in offloaded:
+        buffers = {part: n for part, n in buffers.items() if not part.startswith("fp32 ")}
     parts = {"model states": held, **buffers, "activations": activations}
     if not on_gpu:
-        parts["the process"] = FRAMEWORK_BASELINE_BYTES["deepspeed" if kind == "DEEPSPEED" else "torch"]
+        parts["the process"] = FRAMEWORK_BASELINE_BYTES
     where = ("of GPU memory (the CUDA context and the allocator's cache not counted)" if on_gpu else
              "of memory (resident, as measured on this CPU machine)")
     return [("peak per rank", f"{sum(parts.values()) / 2 ** 30:.2f} GiB {where}"),
