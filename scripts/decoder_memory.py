@@ -56,7 +56,7 @@ def build(output_dir: Path, layers: int) -> tuple[Path, Path]:
         load_table(str(REPO / DEFAULT_DATA))  # builds the default corpus at first use
         rows = read_csv(REPO / DEFAULT_DATA)
         random.Random(0).shuffle(rows)
-        picked = [r for r in rows if r["label"] == "negative"][:120] + [r for r in rows if r["label"] == "positive"][:120]
+        picked = [r for label in ("negative", "positive") for r in [r for r in rows if r["label"] == label][:120]]
         write_csv(data, [{"label": r["label"], "review": r["review"][:60]} for r in picked])
     if not (model / "model.safetensors").exists():
         save_family_model("qwen2", [row["review"] for row in read_csv(data)], model,
@@ -118,7 +118,8 @@ def measure(yaml_name: str, data: Path, model: Path, output_dir: Path) -> dict:
     per_rank = [max((s.get(f"hwm{r}", 0) for s in timeline), default=0) / gib for r in sorted(set(ranks.values()))]
     training = [max((s.get(f"rss{r}", 0) for s in timeline if last_step is None or s["t"] <= last_step + 0.5),
                     default=0) / gib for r in sorted(set(ranks.values()))]
-    return {"launch": yaml_name, "exit_code": proc.returncode, "stopped": stopped, "wall_s": round(time.time() - started),
+    return {"launch": yaml_name, "exit_code": proc.returncode, "stopped": stopped,
+            "wall_s": round(time.time() - started),
             "peak_gib_per_rank": [round(x, 2) for x in per_rank],
             "peak_gib_per_rank_until_last_step": [round(x, 2) for x in training],
             "args": args, "losses": [row.get("loss") for row in steps if "loss" in row], "timeline": timeline}

@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -217,8 +218,9 @@ def family_config(family: str, tokenizer, **shape):
     if family == "bert":
         return BertConfig(pad_token_id=tokenizer.pad_token_id, **shape)
     if family == "gpt2":
-        return GPT2Config(vocab_size=shape["vocab_size"], n_embd=shape["hidden_size"], n_layer=shape["num_hidden_layers"],
-                          n_head=shape["num_attention_heads"], n_inner=shape["intermediate_size"],
+        return GPT2Config(vocab_size=shape["vocab_size"], n_embd=shape["hidden_size"],
+                          n_layer=shape["num_hidden_layers"], n_head=shape["num_attention_heads"],
+                          n_inner=shape["intermediate_size"],
                           n_positions=shape["max_position_embeddings"], **special)
     config_class = LlamaConfig if family == "llama" else Qwen2Config
     shape.setdefault("num_key_value_heads", 1)  # grouped-query attention, as both families use
@@ -241,7 +243,8 @@ def save_family_model(family: str, texts: list[str], folder, **shape):
 
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory, reviews_csv):
-    """`family_model(family)`: the folder of a tiny pretrained model of that family, made once per session."""
+    """`family_model(family)`: the folder of a tiny pretrained model of that family (FAMILIES), made once per
+    session and shared by every test that asks for it."""
     texts = [row["review"] for row in read_csv(reviews_csv)]
     folders = {}
 
@@ -253,21 +256,41 @@ def family_model(tmp_path_factory, reviews_csv):
     return get
 
 
-@pytest.fixture(scope="session")
-def bert_model(family_model):
-    return family_model("bert")
+# --- pipeline() on an exported folder, as a user runs it -------------------------------------------------
+
+PROBE_TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣", "还行",
+               "Great value, would buy again.", "物流快 👍"]
 
 
-@pytest.fixture(scope="session")
-def llama_model(family_model):
-    return family_model("llama")
+def pipeline_predictions(folder, texts=PROBE_TEXTS) -> list[dict]:
+    """`pipeline("text-classification", model=folder)` in a fresh process started in another directory."""
+    code = ("import json, sys; from transformers import pipeline; "
+            "print(json.dumps(pipeline('text-classification', model=sys.argv[1])(json.loads(sys.argv[2]))))")
+    result = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(texts)], cwd="/", capture_output=True,
+                            text=True, env={**os.environ, **OFFLINE}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
-def qwen2_model(family_model):
-    return family_model("qwen2")
+def assert_pipeline_predicts_like_the_trained_model(folder):
+    """The folder, loaded by `pipeline` from another directory, gives each text the label and probability
+    that the trained model (as predict and report load it) gives."""
+    from textclf.loading import load_trained
+    from textclf.predict import predict_logits
+
+    model, tokenizer = load_trained(str(folder))
+    probabilities = predict_logits(model, tokenizer, PROBE_TEXTS).softmax(dim=-1)
+    expected = [(model.config.id2label[int(p.argmax())], float(p.max())) for p in probabilities]
+    got = [(row["label"], row["score"]) for row in pipeline_predictions(folder)]
+    assert [label for label, _ in got] == [label for label, _ in expected]
+    assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-5)
 
 
-@pytest.fixture(scope="session")
-def gpt2_model(family_model):
-    return family_model("gpt2")
+@contextmanager
+def moved_away(folder, to):
+    """`folder` moved to `to` meanwhile (and back after, for the module's other tests)."""
+    os.rename(folder, to)
+    try:
+        yield to
+    finally:
+        os.rename(to, folder)

@@ -11,15 +11,13 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
-from contextlib import contextmanager
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAMILIES, OFFLINE, REPO, assert_refused, losses, read_csv, read_log, run_module, run_train
+from conftest import (FAMILIES, PROBE_TEXTS, REPO, assert_pipeline_predicts_like_the_trained_model, assert_refused,
+                      losses, moved_away, read_csv, read_log, run_module, run_train)
 from test_resume import assert_same_run
 from textclf import check
 from textclf.config import parse_config
@@ -35,8 +33,6 @@ STEPS = 4
 # What each family's runs add: GPT-2 checkpoints its activations (under every strategy, so that its
 # runs stay comparable), Qwen2 follows a cosine schedule.
 EXTRA = {"gpt2": ["--gradient_checkpointing"], "qwen2": ["--lr_scheduler_type", "cosine"]}
-TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣", "还行",
-         "Great value, would buy again.", "物流快 👍"]
 
 
 def family_args(folder, reviews_csv, cache_dir, *extra):
@@ -62,39 +58,8 @@ def family_run(tmp_path_factory, family_model, reviews_csv, cache_dir):
     return get
 
 
-@contextmanager
-def moved_away(folder, to):
-    """`folder` moved to `to` meanwhile (and back after, for the module's other tests)."""
-    os.rename(folder, to)
-    try:
-        yield to
-    finally:
-        os.rename(to, folder)
-
-
 def exported_weights(output_dir) -> dict:
     return load_file(output_dir / "model" / "model.safetensors")
-
-
-def pipeline_predictions(folder, texts=TEXTS) -> list[dict]:
-    """`pipeline("text-classification", model=folder)` in a fresh process started in another directory."""
-    code = ("import json, sys; from transformers import pipeline; "
-            "print(json.dumps(pipeline('text-classification', model=sys.argv[1])(json.loads(sys.argv[2]))))")
-    result = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(texts)], cwd="/", capture_output=True,
-                            text=True, env={**os.environ, **OFFLINE}, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def assert_pipeline_predicts_like_the_trained_model(folder):
-    """The folder, loaded by `pipeline` from another directory, gives each text the label and probability
-    that the trained model (as predict and report load it) gives."""
-    model, tokenizer = load_trained(str(folder))
-    probabilities = predict_logits(model, tokenizer, TEXTS).softmax(dim=-1)
-    expected = [(model.config.id2label[int(p.argmax())], float(p.max())) for p in probabilities]
-    got = [(row["label"], row["score"]) for row in pipeline_predictions(folder)]
-    assert [label for label, _ in got] == [label for label, _ in expected]
-    assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-5)
 
 
 # --- The tokenizer and the head: pad token, padding side, weight decay (no launch) --------------------------
@@ -148,19 +113,21 @@ def test_the_learning_rate_follows_the_model_kind_unless_given():
     assert parse_config(["--model", "bert-base-chinese", "--learning_rate", "3e-5"]).learning_rate == 3e-5
 
 
-def test_weights_load_in_the_dtype_asked_for(llama_model):
+def test_weights_load_in_the_dtype_asked_for(family_model):
+    llama_model = family_model("llama")
     tokenizer = get_tokenizer(str(llama_model), None, "unused", "unused", 32)
     for dtype, expected in (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("auto", torch.float32)):
         model = build_model(str(llama_model), tokenizer, ["a", "b"], 32, torch_dtype=dtype)
         assert {p.dtype for p in model.parameters()} == {expected}, dtype
 
 
-def test_gradient_checkpointing_gives_lora_the_same_gradients(llama_model):
+def test_gradient_checkpointing_gives_lora_the_same_gradients(family_model):
     """Non-reentrant checkpointing: the adapters behind a frozen embedding still get gradients, the same ones."""
+    llama_model = family_model("llama")
     from textclf.modeling import apply_lora
 
     tokenizer = get_tokenizer(str(llama_model), None, "unused", "unused", 32)
-    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    batch = tokenizer(PROBE_TEXTS, padding=True, return_tensors="pt")
     gradients = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
@@ -245,14 +212,15 @@ def test_predict_and_report_read_a_decoder_export(family_run, reviews_csv, tmp_p
     run_module("textclf.report", ["--model", model, "--file", reviews_csv, "--output_dir", tmp_path / "report"])
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["samples"] == 240 and report["labels"] == ["negative", "positive"]
-    assert report["accuracy"] == pytest.approx(sum(
-        label == ["negative", "positive"].index(row["label"]) for label, row in zip(labels, read_csv(reviews_csv))) / 240)
+    truth = [["negative", "positive"].index(row["label"]) for row in read_csv(reviews_csv)]
+    assert report["accuracy"] == pytest.approx(sum(map(int.__eq__, labels, truth)) / 240)
 
 
 # --- LoRA of a decoder, with gradient checkpointing, under ZeRO-3 offload ---------------------------------
 
 @pytest.fixture(scope="module")
-def lora_offload_run(tmp_path_factory, qwen2_model, reviews_csv, cache_dir):
+def lora_offload_run(tmp_path_factory, family_model, reviews_csv, cache_dir):
+    qwen2_model = family_model("qwen2")
     out = tmp_path_factory.mktemp("qwen2_lora_offload")
     run_train([*family_args(qwen2_model, reviews_csv, cache_dir, "--lora", "--gradient_checkpointing"),
                "--output_dir", out], config_file=ZOO / "zero3_offload.yaml")
@@ -260,7 +228,8 @@ def lora_offload_run(tmp_path_factory, qwen2_model, reviews_csv, cache_dir):
 
 
 @pytest.mark.slow
-def test_lora_with_checkpointing_under_zero3_offload_trains_the_adapters_and_the_head(lora_offload_run, qwen2_model):
+def test_lora_with_checkpointing_under_zero3_offload_trains_the_adapters_and_the_head(lora_offload_run, family_model):
+    qwen2_model = family_model("qwen2")
     run = json.loads((lora_offload_run / "run.json").read_text())
     assert run["config"]["learning_rate"] == 2e-4 and run["zero_offload"] == {"optimizer": "cpu", "param": "cpu"}
     folder = lora_offload_run / "model"
@@ -278,7 +247,8 @@ def test_lora_with_checkpointing_under_zero3_offload_trains_the_adapters_and_the
 
 @pytest.mark.slow
 def test_the_lora_folder_and_its_merge_load_in_a_pipeline_anywhere_and_predict_the_same(lora_offload_run, tmp_path,
-                                                                                          reviews_csv, qwen2_model):
+                                                                                          reviews_csv, family_model):
+    qwen2_model = family_model("qwen2")
     moved = tmp_path / "moved"
     with moved_away(lora_offload_run / "model", moved), moved_away(qwen2_model, tmp_path / "pretrained"):
         # Neither where it was written nor the pretrained folder its adapter_config.json names is there.
@@ -290,8 +260,8 @@ def test_the_lora_folder_and_its_merge_load_in_a_pipeline_anywhere_and_predict_t
     assert_pipeline_predicts_like_the_trained_model(merged)
     adapter_model, tokenizer = load_trained(str(moved))
     merged_model, _ = load_trained(str(merged))
-    assert torch.allclose(predict_logits(adapter_model, tokenizer, TEXTS), predict_logits(merged_model, tokenizer, TEXTS),
-                          atol=1e-5)
+    assert torch.allclose(predict_logits(adapter_model, tokenizer, PROBE_TEXTS),
+                          predict_logits(merged_model, tokenizer, PROBE_TEXTS), atol=1e-5)
     run_module("textclf.report", ["--model", merged, "--file", reviews_csv, "--output_dir", tmp_path / "report"])
     assert json.loads((tmp_path / "report" / "report.json").read_text())["samples"] == 240
 
@@ -338,7 +308,7 @@ def test_a_model_it_cannot_train_is_one_clear_error_and_writes_nothing(case, tmp
     assert not out.exists()
     assert not (tmp_path / "code-ran").exists()  # no prompt, no custom code run without --trust_remote_code
     # The pre-launch check reads the same config the same way.
-    assert check.main(["--config_file", ZOO / "cpu.yaml", *map(str, args)]) == 2
+    assert check.main(["--config_file", str(ZOO / "cpu.yaml"), *map(str, args)]) == 2
     assert message in capsys.readouterr().err
     with pytest.raises(InputError, match=re.escape(message)):
         model_config(str(folder), 128 if extra else 32)

@@ -13,7 +13,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import REPO, TINY, losses, run_module, run_train
+from conftest import (REPO, TINY, assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module,
+                      run_train)
 from textclf.loading import checkpoint_weights
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
@@ -112,3 +113,13 @@ def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tm
         uninterrupted, continued = load_file(out / "model" / name), load_file(resumed / "model" / name)
         assert uninterrupted.keys() == continued.keys()
         assert all(torch.equal(uninterrupted[key], continued[key]) for key in uninterrupted), name
+
+
+@pytest.mark.slow
+def test_the_adapter_folder_and_its_merge_load_in_a_pipeline_from_anywhere(lora_run, tmp_path):
+    """An encoder's LoRA folder (a scratch base: nowhere else to load it from) in `pipeline`, from another
+    directory after the folder has moved, and its merge: both predict what the trained model predicts."""
+    with moved_away(lora_run("zero3") / "model", tmp_path / "moved") as moved:
+        assert_pipeline_predicts_like_the_trained_model(moved)
+        run_module("textclf.export", [moved, tmp_path / "merged", "--merge"])
+    assert_pipeline_predicts_like_the_trained_model(tmp_path / "merged")

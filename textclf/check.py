@@ -369,13 +369,15 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         ("batch", f"micro {micro} x accumulation {accumulation} x {plural(world, 'process')} "
                   f"= global {micro * accumulation * world}"),
         ("model", f"{cfg.model}: {params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"
-                  + (f" ({trainable / params:.2%}, LoRA)" if cfg.lora else "") + (f"; {vocabulary}" if vocabulary else "")),
+                  + (f" ({trainable / params:.2%}, LoRA)" if cfg.lora else "")
+                  + (f"; {vocabulary}" if vocabulary else "")),
         *([("fsdp wraps", fsdp_wrap)] if fsdp_wrap else []),
         ("memory per rank", f"{human(sum(memory.values()))}: "
                             + ", ".join(f"{part} {human(n)}" + (" (CPU)" if part in offloaded else "")
                                         for part, n in memory.items())),
         ("", f"{'+'.join(map(str, BYTES_PER_PARAM[layout]))} bytes per parameter "
-             f"({'the weights in ' + loaded if layout == '16-bit weights' else 'ZeRO paper'}); sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}"),
+             f"({'the weights in ' + loaded if layout == '16-bit weights' else 'ZeRO paper'}); "
+             f"sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}"),
         *peak,
     ]
     return report, warnings, conflicts

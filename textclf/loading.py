@@ -74,7 +74,8 @@ def _load_folder(folder: str):
             # The base alone, from its own files: from_pretrained(folder) would add the adapter beside it,
             # and peft's PeftModel (which export merges) must add it instead.
             config = AutoConfig.from_pretrained(folder)
-            state_dict = {name: tensor for path in base_weight_files(folder) for name, tensor in load_file(path).items()}
+            state_dict = {name: tensor for path in base_weight_files(folder)
+                          for name, tensor in load_file(path).items()}
             model, info = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)].from_pretrained(
                 None, config=config, state_dict=state_dict, output_loading_info=True)
         else:

@@ -57,7 +57,8 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
         raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
     except OSError as e:
         raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
-    custom_head = trust_remote_code and "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {})
+    auto_map = getattr(config, "auto_map", None) or {}
+    custom_head = trust_remote_code and "AutoModelForSequenceClassification" in auto_map
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING and not custom_head:
         raise InputError(f"'{model}' is a {config.model_type} model, and transformers has no sequence-classification "
                          f"class for {config.model_type} (AutoModelForSequenceClassification); choose a model of "
