@@ -23,7 +23,7 @@ import threading
 import torch
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, tracking
 from textclf.data import make_loaders
@@ -73,7 +73,7 @@ def main(cfg: TrainConfig) -> None:
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, cfg.num_warmup_steps(total_steps), total_steps)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:

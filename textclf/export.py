@@ -5,7 +5,7 @@
     python -m textclf.export checkpoints/model merged/ --merge          # or from an exported LoRA folder
 
 Whatever wrote the source (one process, DDP, ZeRO-2/3, FSDP), the folder holds safetensors weights,
-a config with id2label, and the tokenizer; with LoRA, the adapter and its base (see modeling.py).
+a config with id2label, and the tokenizer; with LoRA, the base and the adapter beside it (see loading.py).
 Before it takes the target's place it is checked: no empty tensor, it reloads, and it predicts what
 the trained model predicts. train.py's export at the end of a run goes through the same `save_verified`.
 """
@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
 from .errors import InputError, run_command
-from .loading import LORA_BASE, load_trained, load_weights, weight_files
+from .loading import load_trained, load_weights, weight_files
 from .modeling import apply_lora
 from .predict import predict_logits
 
@@ -112,7 +112,7 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     try:
         if isinstance(model, PeftModel) and not merge:
             model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
-            model.unload().save_pretrained(os.path.join(tmp, LORA_BASE))  # the base they apply to
+            model.unload().save_pretrained(tmp)  # beside them the base they apply to (loading.py: the layout)
         else:
             if isinstance(model, PeftModel):
                 model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
@@ -147,9 +147,9 @@ def replace_folder(new: str, target: str) -> None:
 
 
 def verify_weights(folder: str) -> None:
-    """Every tensor saved in the folder (and in its LoRA base) has a size: a ZeRO-3 model saved without
+    """Every tensor saved in the folder (LoRA adapter included) has a size: a ZeRO-3 model saved without
     gathering writes its parameters as empty placeholders."""
-    files = weight_files(folder) + weight_files(os.path.join(folder, LORA_BASE))
+    files = weight_files(folder)
     if not files:
         raise InputError(f"{folder} has no safetensors weights")
     for path in files:
