@@ -8,6 +8,7 @@ a scratch base exists nowhere else, and the folder must load offline.
 
 import glob
 import os
+import pickle
 import tempfile
 
 import torch
@@ -66,6 +67,10 @@ def _load_folder(folder: str):
         model, info = AutoModelForSequenceClassification.from_pretrained(base_folder, output_loading_info=True)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot load a model from {base_folder}: {str(e).splitlines()[0]}") from None
+    except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
+        raise InputError(f"cannot load a model from {base_folder}: its weights are a pickle that holds more than "
+                         "tensors, which could run code when loaded; save the model as safetensors where it came from "
+                         "(save_pretrained does by default)") from None
     # from_pretrained fills missing weights with random ones and only warns: refuse instead.
     incomplete = info["missing_keys"] or info["mismatched_keys"]
     if incomplete:
