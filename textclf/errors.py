@@ -37,11 +37,18 @@ def run_command(main) -> None:
         main()
     except InputError as e:
         report(e)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            sys.stdout.flush()  # no interpreter teardown with gloo threads alive (runtime.exit_finished_run)
+            os._exit(2)
         sys.exit(2)
 
 
 def report(error: InputError) -> None:
+    from tqdm import tqdm
+
     lines = "\n".join(f"error: {line}" for line in str(error).splitlines())
+    for bar in list(getattr(tqdm, "_instances", ())):  # a progress bar left open ends its line first
+        bar.close()
     if int(os.environ.get("RANK", "0")) > 0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # stopped by the launcher: end quietly, no traceback
             signal.signal(sig, signal.SIG_DFL)
