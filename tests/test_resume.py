@@ -150,6 +150,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp
     full, run = kill_run
     out = tmp_path / "killed"
     process = start(run, out)
+    wait_for(first_checkpoint_exists(out), process)  # a kill inside the first save would leave none
     for attempt in range(5):  # a save takes milliseconds: a kill may land just after one; try again
         wait_for(saving(out), process)
         kill(process)
@@ -259,7 +260,7 @@ BAD_RESUMES = {
     "path that does not exist": (lambda src, tmp: tmp / "nowhere", [], "checkpoint not found"),
     "folder that is not a checkpoint": (lambda src, tmp: tmp, [], "is not a complete checkpoint"),
     "truncated optimizer": (lambda src, tmp: corrupt_copy(src, tmp / "c", truncate("optimizer.bin")), [],
-                            "optimizer.bin has 100 bytes, 4973579 when it was saved"),
+                            "optimizer.bin has 100 bytes, "),
     "missing RNG state": (lambda src, tmp: corrupt_copy(src, tmp / "c", delete("random_states_0.pkl")), [],
                           "random_states_0.pkl is missing"),
     "truncated RNG state": (lambda src, tmp: corrupt_copy(src, tmp / "c", truncate("random_states_0.pkl")), [],

@@ -214,22 +214,31 @@ def sigterm_raises():
 
 
 def release_stale_build_lock(build_dir: str) -> None:
-    """Remove the `lock` a killed build left in a torch extension's build folder, when provably stale:
-    no process on this machine holds it open (torch's FileBaton keeps it open while building) or works
-    in the folder (ninja, the compilers), twice a second apart, and no other machine can share the
-    folder. Otherwise say what holds it, or how to clear it, and let torch wait as it does."""
+    """Remove the `lock` a killed build left in a torch extension's build folder, when provably stale.
+
+    While torch builds, the process that took the lock (its FileBaton) keeps it open: a lock that no
+    process on this machine holds open was left by a build that died. Compilers it started may still
+    work in the folder (a rank killed outright leaves them running): those are waited for. Then, a
+    second later and still unheld, the lock is removed, unless the folder is on a file system other
+    machines may share, where a build elsewhere could hold it: that is only reported, with what to do.
+    """
     lock = os.path.join(build_dir, "lock")
 
-    def holders() -> list[str]:
+    def processes(test) -> list[str]:
         found = []
         for process in psutil.process_iter(["name"]):
             try:
-                if os.path.join(process.cwd(), "").startswith(os.path.join(build_dir, "")) or any(
-                        f.path == lock for f in process.open_files()):
+                if test(process):
                     found.append(f"pid {process.pid} ({process.info['name']})")
             except (psutil.Error, OSError):
                 continue  # gone, or another user's: it cannot build in this user's cache
         return found
+
+    def holding():
+        return processes(lambda p: any(f.path == lock for f in p.open_files()))
+
+    def working():
+        return processes(lambda p: os.path.join(p.cwd(), "").startswith(os.path.join(build_dir, "")))
 
     def identity():
         try:
@@ -241,10 +250,14 @@ def release_stale_build_lock(build_dir: str) -> None:
     first = identity()
     if first is None:
         return
-    building = holders()
-    if building:
-        print(f"waiting for {', '.join(building)}, compiling in {build_dir}", flush=True)
+    if holding():
+        print(f"waiting for {', '.join(holding())}, compiling in {build_dir}", flush=True)
         return
+    if working():
+        print(f"waiting for {', '.join(working())}, left compiling in {build_dir} by a build that was killed",
+              flush=True)
+        while working():
+            time.sleep(1)
     file_system = file_system_type(build_dir)
     if file_system in SHARED_FILE_SYSTEMS or file_system.startswith("fuse."):
         print(f"warning: waiting for {lock}: no process on this machine is compiling there, and another machine "
@@ -252,7 +265,7 @@ def release_stale_build_lock(build_dir: str) -> None:
               f"launch, delete it (rm {lock}) and launch again", file=sys.stderr, flush=True)
         return
     time.sleep(1)
-    if identity() != first or holders():
+    if identity() != first or holding() or working():
         return
     os.remove(lock)
     print(f"removed {lock}: a build that no longer runs left it (this launch would have waited on it for ever)",
