@@ -41,7 +41,8 @@ LOCK = ".lock"  # held (flock) by the main process of the run that owns the fold
 # (1.04 GB), sha256 took 1.5-1.8 s against 0.7-4.5 s for save_state itself, and it grows with the model.
 HASHED_UP_TO = 16 * 2 ** 20
 # What a run stores of its loss window, per rank (tracking.Window.state).
-WINDOW_KEYS = {"loss_sum": (int, float), "losses": int, "samples": int, "real_tokens": int, "padded_tokens": int}
+WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
+               "padded_tokens": (int,)}
 # What must match between a checkpoint and the run resuming it, and how to say it.
 IDENTITY = {
     "world_size": "number of processes",
@@ -171,14 +172,16 @@ def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_p
             problems.append(f"step {step} is not where epoch {epoch}, batch {batch} of this run's schedule "
                             f"({steps_per_epoch} optimizer steps per epoch) is")
     windows = position.get("loss_window")
-    if not (isinstance(windows, list) and len(windows) == world_size and all(
-            isinstance(w, dict) and all(type(w.get(key)) in (types if isinstance(types, tuple) else (types,))
-                                        for key, types in WINDOW_KEYS.items()) for w in windows)):
+    if "loss_window" not in position:
+        problems.append("it has no loss_window (written by an older textclf)")
+    elif not (isinstance(windows, list) and len(windows) == world_size and all(
+            isinstance(w, dict) and all(type(w.get(key)) in types for key, types in WINDOW_KEYS.items())
+            for w in windows)):
         problems.append(f"loss_window is not one loss window ({', '.join(WINDOW_KEYS)}) per process "
                         f"({world_size})")
     if problems:
-        raise InputError("\n".join(f"cannot resume from {checkpoint}: {POSITION}: {problem}; it was edited or "
-                                   "damaged: resume from another checkpoint" for problem in problems))
+        raise InputError("\n".join(f"cannot resume from {checkpoint}: {POSITION}: {problem}; resume from another "
+                                   "checkpoint" for problem in problems))
 
 
 def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **schedule) -> None:
@@ -300,7 +303,11 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
     what a killed run left is removed.
     """
     def claim():
-        os.makedirs(output_dir, exist_ok=True)
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as e:
+            raise write_failed("create", output_dir, e,
+                               "choose another --output_dir, or make its parent writable") from None
         lock_file = take_lock(output_dir)
         if choose_checkpoint(resume, output_dir, overwrite) != resume_from:
             raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "

@@ -67,7 +67,8 @@ def report(error: InputError) -> None:
 def write_failed(what: str, path: str, error: Exception, advice: str) -> InputError:
     """A write that failed (full disk, quota, file size limit, permissions) as one line: what could not be
     written, why, what this machine says about it, and what to do."""
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror else
+              (str(error).strip().splitlines() or [type(error).__name__])[0])
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
