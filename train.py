@@ -8,20 +8,25 @@
 Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model).
 """
 
+from textclf.config import TrainConfig, parse_config
+from textclf.errors import InputError, run_command
+
+if __name__ == "__main__":
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s).
+    cfg = run_command(parse_config)
+
 import math
 import os
 import signal
 import threading
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from textclf import checkpoint, tracking
-from textclf.config import TrainConfig, parse_config
+from textclf import cadence, checkpoint, tracking
 from textclf.data import make_loaders
-from textclf.errors import InputError, run_command
 from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
@@ -51,14 +56,16 @@ def main(cfg: TrainConfig) -> None:
     if resume_from:
         position = checkpoint.read_position(resume_from)
         checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
+    best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
 
     # Optimizer and schedule, counted in optimizer steps.
     train_loader, eval_loader = make_loaders(
         train_set, eval_set, tokenizer, train_batch_size=cfg.per_device_train_batch_size,
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
-        group_by_length=cfg.group_by_length, seed=cfg.seed,
+        group_by_length=cfg.group_by_length, seed=cfg.seed, num_workers=cfg.dataloader_num_workers,
         # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
-        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None,
+        pin_memory=accelerator.device.type == "cuda")  # copied to the GPU without waiting for it (runtime.py)
     batches_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes)  # per process, once sharded
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
@@ -68,9 +75,9 @@ def main(cfg: TrainConfig) -> None:
                                 gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
+    scheduler = get_linear_schedule_with_warmup(optimizer, cfg.num_warmup_steps(total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:
@@ -97,7 +104,7 @@ def main(cfg: TrainConfig) -> None:
 
     def save(step, epoch, batch_in_epoch, metrics, window):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
-                 "loss_window": tracking.window_states(accelerator, window), "config": cfg.to_dict()}
+                 "best": best, "loss_window": tracking.window_states(accelerator, window), "config": cfg.to_dict()}
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
             checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from)
@@ -112,6 +119,9 @@ def main(cfg: TrainConfig) -> None:
     # The loss window is part of a checkpoint: the first line after a resume averages what it would have.
     window = tracking.Window(position["loss_window"][accelerator.process_index] if resume_from else None)
     metrics = {}
+    # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm: runtime.py); under it accelerate's
+    # clip_grad_norm_ would only read the norm back, which waits for the device at every step.
+    clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
         if step >= total_steps:
@@ -122,7 +132,7 @@ def main(cfg: TrainConfig) -> None:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm:
+                if accelerator.sync_gradients and clip:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -144,10 +154,17 @@ def main(cfg: TrainConfig) -> None:
                     accelerator.set_trigger()
                 stopping = accelerator.check_trigger()
             metrics = {}
-            if step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0):
+            if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, steps_per_epoch):
                 metrics = evaluate_model(model, eval_loader, accelerator)
                 tracking.log(accelerator, cfg.output_dir, step, metrics)
-            if (cfg.save_steps and step % cfg.save_steps == 0) or stopping:
+                if cfg.load_best_model_at_end:
+                    best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
+                                              os.path.join(cfg.output_dir, f"step_{step}"))
+                if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
+                    accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "
+                                      f"without improvement of {cfg.metric_for_best_model}")
+                    total_steps = step
+            if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping:
                 path = save(step, epoch, batch_in_epoch, metrics, window)
             if stopping:
                 accelerator.print(f"stopped by SIGTERM at step {step}; continue with: --resume {path}")
@@ -160,6 +177,8 @@ def main(cfg: TrainConfig) -> None:
 
     if not metrics:  # resumed from the last checkpoint: nothing left to train
         metrics = evaluate_model(model, eval_loader, accelerator)
+    if cfg.load_best_model_at_end and best:
+        metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
     accelerator.print(f"eval at step {step}: accuracy {metrics['eval_accuracy']:.4f}, "
                       f"macro-F1 {metrics['eval_f1']:.4f} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"))
@@ -169,5 +188,5 @@ def main(cfg: TrainConfig) -> None:
 
 if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/runtime.py)
-    run_command(lambda: main(parse_config()))  # bad input: one `error:` line, exit code 2
+    run_command(lambda: main(cfg))  # bad input: one `error:` line, exit code 2
     exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

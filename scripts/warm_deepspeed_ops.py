@@ -1,4 +1,4 @@
-"""Compile the DeepSpeed C++ ops that the zoo loads on a CPU machine, once, before anything is timed.
+"""Compile the DeepSpeed C++ ops that the zoo loads, once, before anything is timed.
 
     python scripts/warm_deepspeed_ops.py
 
@@ -11,7 +11,8 @@ that finds an op missing compiles it itself, and says so (textclf.runtime.load_d
 this script calls too: a lock left in the cache by a killed build is cleared or reported first).
 
 The ops are built with -march=native: a cache belongs to one machine type, so warm it where the
-tests run rather than restoring it from elsewhere. On a CUDA machine there is nothing to do here.
+tests run rather than restoring it from elsewhere. On a CUDA machine only cpu_adam is built: the
+offload files step the optimizer on the CPU there too (scripts/gpu_suite.py runs this first).
 """
 
 import os
@@ -25,13 +26,12 @@ from textclf.runtime import DEEPSPEED_OPS, load_deepspeed_ops  # noqa: E402
 
 
 def main() -> int:
-    if torch.cuda.is_available():
-        print("CUDA machine: the zoo's CPU ops are not used here; nothing to compile")
-        return 0
     from torch.utils.cpp_extension import get_default_build_root
 
     print(f"torch extensions cache: {os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root()}")
-    for name, (user, _) in DEEPSPEED_OPS.items():
+    for name, (user, _, on_cuda) in DEEPSPEED_OPS.items():
+        if torch.cuda.is_available() and not on_cuda:
+            continue
         seconds = load_deepspeed_ops([name])
         if not seconds:
             print(f"error: DeepSpeed has no {name} compatible with this machine", file=sys.stderr)

@@ -31,18 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_command(args, config_file=None, extra_launch_args=()) -> list[str]:
-    """`python train.py ...`, or `accelerate launch --config_file <zoo file> train.py ...`."""
+def train_command(args, config_file=None, extra_launch_args=(), script="train.py") -> list[str]:
+    """`python train.py ...`, or `accelerate launch --config_file <zoo file> train.py ...` (or another script
+    that takes train.py's arguments, such as tests/sync_probe.py)."""
     if config_file is None:
-        return [sys.executable, "train.py", *map(str, args)]
+        return [sys.executable, script, *map(str, args)]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-            "--main_process_port", str(free_port()), *extra_launch_args, "train.py", *map(str, args)]
+            "--main_process_port", str(free_port()), *extra_launch_args, script, *map(str, args)]
 
 
-def run_train(args, config_file=None, extra_launch_args=(), check=True, timeout=900, env=None):
+def run_train(args, config_file=None, extra_launch_args=(), check=True, timeout=900, env=None, script="train.py"):
     """Run train.py to the end; on failure show its output."""
-    result = subprocess.run(train_command(args, config_file, extra_launch_args), cwd=REPO, capture_output=True,
-                            text=True, timeout=timeout, env={**os.environ, **OFFLINE, **(env or {})})
+    result = subprocess.run(train_command(args, config_file, extra_launch_args, script), cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **OFFLINE, **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(f"train.py exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
                              f"\n--- stderr\n{result.stderr[-6000:]}")
@@ -62,6 +64,54 @@ def run_module(module, args, config_file=None, check=True, timeout=900, env=None
         raise AssertionError(f"{module} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
                              f"\n--- stderr\n{result.stderr[-6000:]}")
     return result
+
+
+def run_sync_probe(args, output, config_file=None, extra_launch_args=()) -> tuple:
+    """train.py under tests/sync_probe.py: the launch's result, and each rank's report of the calls that
+    waited for the device, by optimizer step."""
+    result = run_train(args, config_file, extra_launch_args, env={"SYNC_PROBE_OUT": str(output)},
+                       script="tests/sync_probe.py")
+    return result, [json.loads(path.read_text()) for path in sorted(Path(output).parent.glob(f"{Path(output).name}*"))]
+
+
+def quiet_steps(report: dict) -> set[int]:
+    """The optimizer steps of a probed run between two log lines: no log, evaluation or checkpoint after
+    them, and not the first (setup) or the last (final evaluation and export)."""
+    def due(step, every):
+        return bool(every) and step % every == 0
+
+    return {step for step in range(1, report["steps"])
+            if not any(due(step, report[every]) for every in ("logging_steps", "eval_steps", "save_steps"))}
+
+
+def syncs_in(report: dict, steps: set[int]) -> list[dict]:
+    return [event for event in report["events"] if event["interval"] in steps]
+
+
+# Calls that wait for the device in every step, made by libraries (measured with tests/sync_probe.py).
+LIBRARY_SYNCS = {
+    # `padding_mask.all()`: can the mask be dropped (for SDPA's flash kernel)? In every forward of a model
+    # that builds its mask with create_bidirectional_mask (BERT among them), eager attention too.
+    "transformers": "transformers/masking_utils.py",
+    # ZeRO's step checks the gradient norm for inf and nan with bool() (`is_invalid_grad_norm`) and, with
+    # 16-bit weights, reads its overflow flag (`has_overflow`, `.item()`).
+    "deepspeed": "deepspeed/",
+}
+
+
+def assert_no_sync_between_log_lines(report: dict, libraries: tuple[str, ...]) -> list[dict]:
+    """No call waits for the device in a step between two log lines, except the named libraries' own
+    (LIBRARY_SYNCS); the probe saw the log lines' reads (so it was counting). Returns the libraries' calls."""
+    quiet = quiet_steps(report)
+    assert quiet, "no step between two log lines: raise logging_steps"
+    allowed = tuple(LIBRARY_SYNCS[name] for name in libraries)
+    stalls = [event for event in syncs_in(report, quiet) if not event["site"].startswith(allowed)]
+    assert not stalls, f"steps between log lines wait for the device: {stalls[:5]}"
+    logged = {step for step in range(1, report["steps"]) if step % report["logging_steps"] == 0}
+    for step in logged:  # logging reads loss and throughput, and every rank is asked about SIGTERM
+        sites = {event["site"].split(":")[0] for event in syncs_in(report, {step})}
+        assert {"textclf/tracking.py", "accelerate/accelerator.py"} <= sites, sites
+    return syncs_in(report, quiet)
 
 
 def assert_refused(result, message):

@@ -7,7 +7,7 @@ import pytest
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from textclf.bench import epoch_padding
+from benchmarks.measure import epoch_padding
 from textclf.config import TrainConfig
 from textclf.data import EpochLengthGroupedSampler
 

@@ -17,7 +17,7 @@ NUMBERS = ("startup_s", "steps_per_s", "samples_per_s", "real_tokens_per_s", "re
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
-    result = subprocess.run([sys.executable, "-m", "textclf.bench", "--quick", "--data", str(reviews_csv),
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--data", str(reviews_csv),
                              "--output_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                             timeout=1800, env={**os.environ, **OFFLINE})
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -47,7 +47,7 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
 
 
 def test_repeated_rows_report_their_median_run():
-    from textclf.bench import median_run
+    from benchmarks.measure import median_run
 
     runs = [{"status": "ok", "steps_per_s": speed, "run": k} for k, speed in enumerate([3.0, 1.0, 2.0, 4.0])]
     merged = median_run([*runs, {"status": "failed", "reason": "exit 1"}])
@@ -58,7 +58,7 @@ def test_repeated_rows_report_their_median_run():
 
 @pytest.mark.slow
 def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
-    result = subprocess.run([sys.executable, "-m", "textclf.bench", "--quick", "--repeats", "2",
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--repeats", "2",
                              "--only", "single_small,plain_pytorch_small",
                              "--data", str(reviews_csv), "--output_dir", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE})
@@ -73,10 +73,11 @@ def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
 
 
 def test_a_job_trains_exactly_one_epoch_of_examples_held_apart_from_its_eval_set(tmp_path, reviews_csv):
-    from textclf.bench import Job, job_data
+    from benchmarks.measure import job_data
+    from benchmarks.plan import BenchJob
     from textclf.data import load_table
 
-    job = Job("scratch-mini", steps=5, eval_rows=40)
+    job = BenchJob("scratch-mini", steps=5, eval_rows=40)
     train_file, eval_file = job_data(job, str(reviews_csv), str(tmp_path))
     train, held_out = load_table(train_file), load_table(eval_file)
     assert len(train) == 5 * 32 and len(held_out) == 40
@@ -86,7 +87,7 @@ def test_a_job_trains_exactly_one_epoch_of_examples_held_apart_from_its_eval_set
 
 
 def test_data_too_small_for_the_job_is_one_clear_line_and_writes_nothing(tmp_path, reviews_csv):
-    result = subprocess.run([sys.executable, "-m", "textclf.bench", "--data", str(reviews_csv), "--only", "single",
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--data", str(reviews_csv), "--only", "single",
                              "--output_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
                             timeout=300, env={**os.environ, **OFFLINE})
     assert result.returncode == 2 and not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 to catch is caught with a line naming both places, and its numbers follow the ZeRO paper. No training."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, TINY, run_train
 from textclf import check
 from textclf.config import parse_config
 from textclf.theory import model_state_bytes
@@ -86,7 +87,10 @@ def test_every_shipped_config_passes_the_check_and_starts_with_its_launch_line(c
     shown = report(out)
     expected = yaml.safe_load(path.read_text())
     assert shown["processes"].startswith(f"{expected['num_processes']} process")
-    assert f"({expected['distributed_type']})" in shown["strategy"]
+    # What train.py will report in run.json: without CUDA a MULTI_GPU launch forms a gloo group, MULTI_CPU.
+    runs = "MULTI_CPU" if target == "cpu" and expected["distributed_type"] == "MULTI_GPU" else expected["distributed_type"]
+    assert shown["strategy"].split(" on ")[0].endswith(
+        f"({runs})" if runs == expected["distributed_type"] else f"({runs}; the yaml says {expected['distributed_type']})")
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
@@ -339,3 +343,39 @@ def test_the_command_line_entry_point(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", str(variant), "--target", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "conflict: precision:" in bad.stderr
+
+
+# --- the check against what `accelerate launch` really runs ---
+
+@pytest.fixture(scope="module")
+def accelerate_home(tmp_path_factory):
+    """An HF_HOME whose default accelerate config is what `accelerate config default` writes on this machine."""
+    home = tmp_path_factory.mktemp("hf_home")
+    subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default"],
+                   env={**os.environ, "HF_HOME": str(home)}, check=True, capture_output=True, timeout=300)
+    assert (home / "accelerate" / "default_config.yaml").is_file()
+    return home
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
+        capsys, tmp_path, accelerate_home, reviews_csv, cache_dir, processes):
+    config = accelerate_home / "accelerate" / "default_config.yaml"
+    out = tmp_path / "out"
+    run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out, "--max_steps", 1,
+               "--save_steps", 100], config_file=config, extra_launch_args=["--num_processes", str(processes)])
+    ran = json.loads((out / "run.json").read_text())
+    status, stdout, err = run_check(capsys, "--config_file", config, "--num_processes", processes, *TINY)
+    shown = report(stdout)
+    assert shown["processes"].startswith(f"{ran['num_processes']} process ")
+    assert shown["strategy"].split(" on ")[0].endswith(f"({ran['distributed_type']})")
+    if processes > ran["num_processes"]:  # asked for 2, the launch starts 1: the check says so
+        assert status == 1 and "starts a single process, not the 2 asked for" in " ".join(conflicts(err))
+    # The user's default config (no --config_file) resolves the same way.
+    default = subprocess.run([sys.executable, "-m", "textclf.check", "--num_processes", str(processes), *map(str, TINY)],
+                             cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HF_HOME": str(accelerate_home)})
+    assert report(default.stdout)["processes"] == shown["processes"]
+    assert report(default.stdout)["strategy"] == shown["strategy"]
+    assert report(default.stdout)["accelerate config"] == str(config)

@@ -1,8 +1,12 @@
-"""The typed config: defaults < YAML recipe < command line, and every bad value is refused."""
+"""The typed config: defaults < checkpoint < YAML recipe < command line, every bad value refused, --help."""
+
+import subprocess
+import sys
 
 import pytest
 
-from textclf.config import parse_config
+from conftest import REPO
+from textclf.config import field_names, parse_config
 from textclf.errors import InputError
 
 
@@ -47,3 +51,90 @@ def test_wrong_type_in_recipe_is_refused(tmp_path):
     recipe.write_text("max_steps: many\n")
     with pytest.raises(InputError, match="invalid int value: 'many'"):
         parse_config(["--config", str(recipe)])
+
+
+# --- the Trainer's names, and what a Trainer user types ---
+
+def test_trainer_names_parse_with_the_trainer_s_defaults():
+    cfg = parse_config(["--warmup_steps", "5", "--eval_steps", "10", "--dataloader_num_workers", "2",
+                        "--mixed_precision", "bf16"])
+    assert (cfg.warmup_steps, cfg.dataloader_num_workers, cfg.mixed_precision) == (5, 2, "bf16")
+    assert cfg.eval_strategy == "steps"  # eval_steps alone asks for evaluation every eval_steps
+    assert parse_config([]).eval_strategy == "no" and parse_config([]).save_strategy == "steps"
+    # eval_strategy steps without eval_steps falls back to logging_steps, as in TrainingArguments
+    assert parse_config(["--eval_strategy", "steps", "--logging_steps", "7"]).eval_steps == 7
+    best = parse_config(["--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end",
+                         "--early_stopping_patience", "2"])
+    assert best.load_best_model_at_end and best.early_stopping_patience == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--load_best_model_at_end", "--eval_steps", "10", "--save_steps", "20"],
+     "load_best_model_at_end needs a checkpoint at every evaluation: set --save_strategy and --save_steps as "
+     "--eval_strategy and --eval_steps (now evaluating every 10 steps, saving every 20 steps)"),
+    (["--load_best_model_at_end", "--eval_strategy", "epoch"], "(now evaluating every epoch, saving every 500 steps)"),
+    (["--load_best_model_at_end"], "(now evaluating never, saving every 500 steps)"),
+    (["--early_stopping_patience", "3", "--eval_steps", "10"], "early_stopping_patience needs --load_best_model_at_end"),
+    (["--eval_strategy", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--warmup_steps", "-1"], "warmup_steps and dataloader_num_workers must be 0 or more"),
+    (["--delimiter", "ab"], "delimiter must be one character, got 'ab'"),
+])
+def test_trainer_options_that_cannot_work_together_are_refused(argv, message):
+    with pytest.raises(InputError) as error:
+        parse_config(argv)
+    assert message in str(error.value)
+
+
+def test_a_tab_delimiter_may_be_typed_as_backslash_t():
+    assert parse_config(["--delimiter", "\\t"]).delimiter == "\t"
+    assert parse_config(["--delimiter", "，"]).delimiter == "，"
+
+
+@pytest.mark.parametrize("argv, suggestion", [
+    (["--lr", "3e-5"], "--lr (did you mean --learning_rate?)"),
+    (["--epochs", "2"], "--epochs (did you mean --num_train_epochs?)"),
+    (["--batch_size", "8"], "--batch_size (did you mean --per_device_train_batch_size?)"),
+    (["--bf16"], "--bf16 (did you mean --mixed_precision bf16?)"),
+    (["--evaluation_strategy", "steps"], "did you mean --eval_strategy?"),
+    (["--model_name_or_path", "x"], "did you mean --model?"),
+    (["--learning-rat", "1"], "did you mean --learning_rate?"),
+    (["--gradient_acumulation_steps", "2"], "did you mean --gradient_accumulation_steps?"),
+])
+def test_unknown_flags_suggest_the_closest_known_name(argv, suggestion):
+    with pytest.raises(InputError) as error:
+        parse_config(argv)
+    assert str(error.value).startswith("unknown config key(s) ") and suggestion in str(error.value)
+
+
+def test_an_unknown_recipe_key_gets_a_suggestion_too(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lr: 0.001\n")
+    with pytest.raises(InputError, match=r"unknown config key\(s\) lr in .*recipe.yaml \(did you mean learning_rate\?\)"):
+        parse_config(["--config", str(recipe)])
+
+
+# --- --help, and every flag the documentation names ---
+
+@pytest.fixture(scope="module")
+def help_text():
+    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_help_groups_the_options_and_lists_the_recipe(help_text):
+    sections = [line[:-1] for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert sections == ["options", "model", "data", "optimisation", "LoRA", "evaluation and checkpoints", "logging"]
+    assert "--config RECIPE.yaml" in help_text
+    section_of = {}
+    for line in help_text.splitlines():
+        if line and not line.startswith(" "):
+            current = line[:-1]
+        elif line.startswith("  --"):
+            section_of[line.split()[0]] = current
+    assert section_of["--encoding"] == "data" and section_of["--warmup_steps"] == "optimisation"
+    assert section_of["--lora_r"] == "LoRA" and section_of["--early_stopping_patience"] == "evaluation and checkpoints"
+    assert section_of["--report_to"] == "logging"
+    assert set(section_of) >= {f"--{name}" for name in field_names()}

@@ -374,3 +374,143 @@ def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_fi
     assert errors == [f"error: cannot resume from {damaged}: {partition} is missing; resume from another checkpoint "
                       "(--resume <output_dir>/step_<N>)"], refused.stderr[-3000:]
     assert not (tmp_path / "refused").exists()
+
+
+def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
+    """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads
+    the metadata of FSDP's sharded state with full pickle, as DeepSpeed reads its shards."""
+    from textclf.checkpoint import FSDP_SHARDED, IDENTITY, check_compatible
+    from textclf.errors import InputError
+
+    (tmp_path / FSDP_SHARDED).mkdir()
+    identity = {**dict.fromkeys(IDENTITY, "same"), "zero_stage": None}
+    position = {"step": 4, **identity}
+    with pytest.raises(InputError, match="written by FSDP, .* pass --allow_pickle if you trust this checkpoint"):
+        check_compatible(str(tmp_path), position, identity, allow_pickle=False)
+    check_compatible(str(tmp_path), position, identity, allow_pickle=True)
+
+
+# --- resume by path alone: the checkpoint's config, and what a flag may change ---
+
+def fake_checkpoint(folder, **made_with):
+    """A step_<N> folder as far as parse_config reads it: position.json holding the config it was made with."""
+    import dataclasses
+
+    from textclf.config import TrainConfig
+
+    folder.mkdir(parents=True)
+    config = {**dataclasses.asdict(TrainConfig()), **made_with}
+    (folder / "position.json").write_text(json.dumps({"step": int(folder.name.split("_")[1]), "config": config}))
+    return folder
+
+
+MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "learning_rate": 0.002,
+             "max_length": 24, "text_column": "comment", "label_column": "sentiment", "logging_steps": 1,
+             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": "none"}
+
+
+def test_resume_by_path_alone_takes_the_checkpoint_s_config_and_folder(tmp_path):
+    from textclf.config import parse_config
+
+    checkpoint = fake_checkpoint(tmp_path / "moved_run" / "step_8", output_dir="/old/place", **MADE_WITH)
+    cfg = parse_config(["--resume", str(checkpoint)])
+    assert {key: getattr(cfg, key) for key in MADE_WITH} == MADE_WITH
+    assert cfg.output_dir == str(tmp_path / "moved_run")  # the run goes on where its checkpoint is
+    assert cfg.resume == str(checkpoint)
+
+
+def test_resume_latest_finds_the_newest_checkpoint_in_output_dir(tmp_path):
+    from textclf.config import parse_config
+
+    fake_checkpoint(tmp_path / "run" / "step_4", **{**MADE_WITH, "learning_rate": 0.1})
+    fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
+    cfg = parse_config(["--resume", "latest", "--output_dir", str(tmp_path / "run")])
+    assert cfg.learning_rate == 0.002 and cfg.resume == "latest"
+
+
+def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path):
+    from textclf.config import RESUME_MAY_CHANGE, field_names, parse_config
+
+    assert set(RESUME_MAY_CHANGE) <= set(field_names())
+    checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
+    cfg = parse_config(["--resume", str(checkpoint), "--max_steps", "50", "--logging_steps", "5", "--eval_steps", "4",
+                        "--save_steps", "4", "--save_total_limit", "2", "--output_dir", str(tmp_path / "elsewhere"),
+                        "--report_to", "tensorboard", "--dataloader_num_workers", "1", "--allow_pickle"])
+    assert (cfg.max_steps, cfg.logging_steps, cfg.eval_steps, cfg.per_device_train_batch_size) == (50, 5, 4, 6)
+    assert cfg.output_dir == str(tmp_path / "elsewhere")
+    assert cfg.eval_strategy == "steps"  # the checkpoint evaluated never; --eval_steps asks for it, as in a new run
+    evaluated = fake_checkpoint(tmp_path / "evaluated" / "step_8", eval_strategy="steps", eval_steps=8)
+    assert parse_config(["--resume", str(evaluated), "--eval_strategy", "no"]).eval_strategy == "no"
+    assert parse_config(["--resume", str(evaluated)]).eval_strategy == "steps"
+
+
+@pytest.mark.parametrize("flags, made, asked", [
+    (["--learning_rate", "0.1"], "learning_rate = 0.002", "0.1"),
+    (["--per_device_train_batch_size", "32"], "per_device_train_batch_size = 6", "32"),
+    (["--gradient_accumulation_steps", "1"], "gradient_accumulation_steps = 2", "1"),
+    (["--model", "scratch-mini"], "model = scratch-tiny", "scratch-mini"),
+    (["--data", "other.csv"], "data = /somewhere/reviews.tsv", "other.csv"),
+    (["--text_column", "review"], "text_column = comment", "review"),
+    (["--max_length", "128"], "max_length = 24", "128"),
+    (["--seed", "1"], "seed = 42", "1"),
+    (["--warmup_steps", "0"], "warmup_steps = 3", "0"),
+    (["--lora"], "lora = False", "True"),
+    (["--mixed_precision", "bf16"], "mixed_precision = None", "bf16"),
+    (["--no_group_by_length"], "group_by_length = True", "False"),
+])
+def test_a_flag_that_would_change_the_resumed_run_is_refused_in_one_line(tmp_path, flags, made, asked):
+    from textclf.config import parse_config
+    from textclf.errors import InputError
+
+    checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
+    with pytest.raises(InputError) as error:
+        parse_config(["--resume", str(checkpoint), *flags])
+    assert str(error.value).startswith(f"cannot resume from {checkpoint}: it was made with {made}, this run has {asked}")
+    assert "start a new run" in str(error.value)
+
+
+def test_a_recipe_cannot_change_the_resumed_run_either_and_unknown_options_are_refused(tmp_path):
+    from textclf.config import parse_config
+    from textclf.errors import InputError
+
+    checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 0.01\n")
+    with pytest.raises(InputError, match="made with learning_rate = 0.002, this run has 0.01"):
+        parse_config(["--config", str(recipe), "--resume", str(checkpoint)])
+    newer = fake_checkpoint(tmp_path / "newer" / "step_8", torch_compile_mode="max")
+    with pytest.raises(InputError, match="its config has option.s. torch_compile_mode that this train.py does not know"):
+        parse_config(["--resume", str(newer)])
+
+
+@pytest.fixture(scope="module")
+def gbk_tsv(tmp_path_factory, reviews_csv):
+    """The 240 reviews as a GBK-encoded TSV with the columns named sentiment and comment."""
+    from conftest import read_csv
+
+    path = tmp_path_factory.mktemp("gbk") / "reviews.tsv"
+    lines = ["sentiment\tcomment"] + [f"{row['label']}\t{row['review']}" for row in read_csv(reviews_csv)]
+    path.write_bytes(("\n".join(lines) + "\n").encode("gbk"))
+    return path
+
+
+@pytest.mark.slow
+def test_a_non_default_run_resumes_exactly_from_its_path_alone(tmp_path, gbk_tsv, cache_dir):
+    """Micro-batch, accumulation, lr, warmup steps, max_length, column names, a GBK TSV, logging every step and
+    the best model kept: `python train.py --resume <checkpoint>` with nothing else replays the same run."""
+    full = tmp_path / "full"
+    first = run_train(["--data", gbk_tsv, "--text_column", "comment", "--label_column", "sentiment",
+                       "--per_device_train_batch_size", 6, "--gradient_accumulation_steps", 2, "--learning_rate", 0.002,
+                       "--warmup_steps", 3, "--max_length", 24, "--logging_steps", 1, "--max_steps", 20,
+                       "--eval_steps", 8, "--save_steps", 8, "--load_best_model_at_end", "--report_to", "none",
+                       "--cache_dir", cache_dir, "--output_dir", full])
+    assert f"note: {gbk_tsv} is not UTF-8" in first.stdout and "reading it as GB18030" in first.stdout
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "step_8", resumed / "step_8")  # mid-epoch: 18 optimizer steps per epoch
+    run_train(["--resume", resumed / "step_8"])
+    assert_same_run(full, resumed, 8)
+    made, again = (json.loads((out / "run.json").read_text()) for out in (full, resumed))
+    assert again["config"] == {**made["config"], "output_dir": str(resumed), "resume": str(resumed / "step_8")}
+    assert again["best_model"] == made["best_model"] and made["best_model"]["step"] in (8, 16, 20)
+    lrs = [row["lr"] for row in read_log(full) if "lr" in row]
+    assert lrs[:3] == pytest.approx([0.002 / 3, 2 * 0.002 / 3, 0.002])  # 3 warmup steps, not a ratio of 20

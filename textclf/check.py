@@ -16,8 +16,11 @@ conflict, each naming both places; 2 with one `error:` line for input it cannot 
 
 import argparse
 import json
+import logging
 import os
 import sys
+import warnings
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -25,8 +28,8 @@ import torch
 from .config import TrainConfig, parse_config
 from .errors import InputError
 from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, parameter_counts, scratch_config, scratch_size
-from .runtime import COMPILE_REFUSED
-from .theory import BYTES_PER_PARAM, SHARDED_FROM_STAGE, model_state_bytes
+from .runtime import COMPILE_REFUSED, zero_offload
+from .theory import BYTES_PER_PARAM, OFFLOADED_BY, SHARDED_FROM_STAGE, model_state_bytes
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -41,6 +44,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     parser.add_argument("--num_processes", type=int, help="processes in total, as on the launch line")
     parser.add_argument("--num_machines", type=int, help="machines, as on the launch line")
     parser.add_argument("--mixed_precision", choices=PRECISIONS, help="precision, as on the launch line")
+    parser.add_argument("--multi_gpu", action="store_true", default=None,
+                        help="one process per device through torchrun, as on the launch line")
     parser.add_argument("--target", choices=("here", "cpu", "cuda"), default="here",
                         help="the machine the launch is for: this one (default), one without CUDA, or one "
                         "with CUDA GPUs (to check GPU configs from a CPU machine)")
@@ -52,68 +57,136 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
 
 
 def read_launch(args: argparse.Namespace) -> dict:
-    """The yaml with the launch-line overrides applied, as `accelerate launch` would resolve them."""
+    """What `accelerate launch [these flags] train.py` would start, resolved by accelerate's own code.
+
+    Its launch parser and validation merge the yaml (or the default config that `accelerate config`
+    wrote) with the launch line; the launcher it then picks decides how many processes start (the
+    simple launcher starts one, whatever num_processes says), and its environment is what train.py's
+    Accelerator and DeepSpeedPlugin read.
+    """
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise InputError(f"accelerate config not found: {path}")
+        try:
+            yaml_config = load_config_from_file(path)
+        except Exception as e:  # yaml syntax, unknown keys, an unknown distributed_type: all mean "unreadable"
+            raise InputError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+        if not isinstance(getattr(yaml_config.distributed_type, "value", yaml_config.distributed_type), str):
+            raise InputError(f"{path}: distributed_type is {yaml_config.distributed_type!r}; quote it "
+                             "(a bare NO is YAML for false)")
+        if yaml_config.mixed_precision is not None and yaml_config.mixed_precision not in PRECISIONS:
+            raise InputError(f"{path}: mixed_precision is {yaml_config.mixed_precision!r}, expected one of "
+                             f"{', '.join(PRECISIONS)} (quote \"no\": a bare no is YAML for false)")
+    line = [f"--{name}={value}" for name in ("config_file", "num_processes", "num_machines", "mixed_precision")
+            if (value := getattr(args, name)) is not None] + (["--multi_gpu"] if args.multi_gpu else [])
+    launch_args = launch_command_parser().parse_args([*line, "train.py"])
+    with quiet_accelerate():
+        try:
+            launch_args, _, precision_from_yaml = _validate_launch_command(launch_args)
+        except ValueError as e:
+            raise InputError(f"accelerate launch would refuse this launch: {str(e).splitlines()[0]}") from None
+        launcher, env = launcher_and_environment(launch_args, precision_from_yaml)
+    cuda = has_cuda(args.target)
+    if launcher == "deepspeed":
+        distributed_type = "DEEPSPEED"
+    elif launcher == "torchrun":  # train.py forms a gloo group on the CPU where there is no CUDA (runtime.py)
+        distributed_type = "FSDP" if env.get("ACCELERATE_USE_FSDP") == "true" else "MULTI_GPU" if cuda else "MULTI_CPU"
+    else:
+        distributed_type = "MULTI_CPU" if launcher == "mpirun" else "NO"
+    processes = 1 if launcher == "simple" else launch_args.num_processes
+    if args.mixed_precision:
+        source = "the launch line (--mixed_precision)"
+    elif precision_from_yaml:
+        source = f"{path} mixed_precision"
+    else:
+        source = "the default (no mixed_precision anywhere)"
+    return {"path": path, "distributed_type": distributed_type, "yaml_distributed_type": yaml_distributed_type(path),
+            "launcher": launcher, "num_processes": processes, "num_machines": launch_args.num_machines or 1,
+            "requested_processes": launch_args.num_processes or 1,
+            "mixed_precision": env["ACCELERATE_MIXED_PRECISION"], "precision_source": source,
+            "precision_from_yaml": precision_from_yaml and not args.mixed_precision, "environment": env,
+            "deepspeed_config_file": getattr(launch_args, "deepspeed_config_file", None),
+            "fsdp_sharding_strategy": getattr(launch_args, "fsdp_sharding_strategy", None),
+            "fsdp_offload_params": str(getattr(launch_args, "fsdp_offload_params", "false")).lower() == "true",
+            "use_cpu": bool(getattr(launch_args, "use_cpu", False)), "main_process_ip": launch_args.main_process_ip,
+            "dynamo_backend": str(launch_args.dynamo_backend or "no").upper()}
+
+
+def yaml_distributed_type(path: Optional[str]) -> str:
     if path is None:
-        return {"path": None, "distributed_type": "NO", "num_processes": args.num_processes or 1,
-                "num_machines": args.num_machines or 1, "mixed_precision": None, "deepspeed": {}, "fsdp": {},
-                "use_cpu": False, "main_process_ip": None, "mpirun": {}, "dynamo_backend": "NO"}
-    if not os.path.isfile(path):
-        raise InputError(f"accelerate config not found: {path}")
+        return "NO"
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    kind = load_config_from_file(path).distributed_type
+    return str(getattr(kind, "value", kind))
+
+
+@contextmanager
+def quiet_accelerate():
+    """accelerate's launch helpers warn about defaults and busy ports: noise for a check that launches nothing."""
+    launch_logger = logging.getLogger("accelerate.commands.launch")
+    level = launch_logger.level
+    launch_logger.setLevel(logging.ERROR)
     try:
-        yaml_config = load_config_from_file(path)
-    except Exception as e:  # yaml syntax, unknown keys, an unknown distributed_type: all mean "unreadable"
-        raise InputError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    distributed_type = getattr(yaml_config.distributed_type, "value", yaml_config.distributed_type)
-    if not isinstance(distributed_type, str):
-        raise InputError(f"{path}: distributed_type is {distributed_type!r}; quote it (a bare NO is YAML for false)")
-    mixed_precision = yaml_config.mixed_precision
-    if mixed_precision is not None and mixed_precision not in PRECISIONS:
-        raise InputError(f"{path}: mixed_precision is {mixed_precision!r}, expected one of {', '.join(PRECISIONS)} "
-                         '(quote "no": a bare no is YAML for false)')
-    return {"path": path, "distributed_type": distributed_type,
-            "num_processes": args.num_processes or yaml_config.num_processes,
-            "num_machines": args.num_machines or yaml_config.num_machines,
-            "mixed_precision": mixed_precision, "deepspeed": yaml_config.deepspeed_config or {},
-            "fsdp": yaml_config.fsdp_config or {}, "use_cpu": yaml_config.use_cpu,
-            "main_process_ip": yaml_config.main_process_ip, "mpirun": yaml_config.mpirun_config or {},
-            "dynamo_backend": str((yaml_config.dynamo_config or {}).get("dynamo_backend", "NO")).upper()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        launch_logger.setLevel(level)
+
+
+def launcher_and_environment(launch_args: argparse.Namespace, precision_from_yaml: bool) -> tuple[str, dict]:
+    """The launcher `accelerate launch` picks (the order of launch_command's branches) and the
+    ACCELERATE_* environment it gives train.py."""
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    if launch_args.use_deepspeed and not launch_args.cpu:
+        fields = [*launch_args.deepspeed_config, *(["mixed_precision"] if precision_from_yaml else [])] \
+            if isinstance(getattr(launch_args, "deepspeed_config", None), dict) else []
+        launch_args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        launcher, env = "deepspeed", prepare_deepspeed_cmd_env(launch_args)[1]
+    elif (launch_args.use_fsdp or launch_args.use_megatron_lm or launch_args.multi_gpu) and not launch_args.cpu:
+        launcher, env = "torchrun", prepare_multi_gpu_env(launch_args)
+    else:
+        launcher = "mpirun" if getattr(launch_args, "mpirun_hostfile", None) else "simple"
+        env = prepare_simple_launcher_cmd_env(launch_args)[1]
+    return launcher, {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
 
 
 def read_deepspeed(launch: dict, conflicts: list[str]) -> tuple[Optional[dict], str]:
-    """The DeepSpeed config and where it comes from: the json the yaml names, or the yaml's own keys."""
-    section = launch["deepspeed"]
-    path = section.get("deepspeed_config_file")
-    if path:
-        if not os.path.isfile(path):
-            conflicts.append(f"{launch['path']} names deepspeed_config_file {path}, which does not exist "
-                             f"(relative paths start from the directory of the launch: {os.getcwd()})")
-            return None, path
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f), path
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
-    # No json: accelerate builds the DeepSpeed config from the yaml's deepspeed_config keys.
-    place = f"{launch['path']} deepspeed_config"
-    ds = {"zero_optimization": {
-        "stage": section.get("zero_stage", 2),
-        "offload_optimizer": {"device": section.get("offload_optimizer_device", "none")},
-        "offload_param": {"device": section.get("offload_param_device", "none")},
-        "stage3_gather_16bit_weights_on_model_save": section.get("zero3_save_16bit_model", False),
-    }}
-    for key in ("gradient_accumulation_steps", "gradient_clipping"):
-        if key in section:
-            ds[key] = section[key]
-    return ds, place
+    """The DeepSpeed config train.py will run with, as accelerate's DeepSpeedPlugin builds it from the
+    launch's environment: the json the yaml names, or the yaml's own deepspeed_config keys with
+    accelerate's defaults. None when it cannot be built (a conflict says why)."""
+    from accelerate.utils import DeepSpeedPlugin, patch_environment
+
+    path = launch["deepspeed_config_file"]
+    place = path or f"{launch['path']} deepspeed_config"
+    if path and not os.path.isfile(path):
+        conflicts.append(f"{launch['path']} names deepspeed_config_file {path}, which does not exist "
+                         f"(relative paths start from the directory of the launch: {os.getcwd()})")
+        return None, path
+    # A mixed_precision key beside the json is reported by deepspeed_precision, naming both places.
+    env = dict(launch["environment"])
+    env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(
+        field for field in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if field != "mixed_precision")
+    try:
+        with patch_environment(**env):
+            return DeepSpeedPlugin().deepspeed_config, place
+    except json.JSONDecodeError as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
+    except ValueError as e:
+        conflicts.append(f"{launch['path']} with {place}: accelerate refuses it: {str(e).splitlines()[0]}")
+        return None, place
 
 
 def deepspeed_precision(launch: dict, ds: dict, ds_place: str, precision: str, source: str,
                         conflicts: list[str]) -> str:
     """The precision DeepSpeed runs: its json wins where it is explicit, and a mismatch is a conflict."""
-    if launch["deepspeed"].get("deepspeed_config_file") and launch["mixed_precision"] is not None:
+    if launch["deepspeed_config_file"] and launch["precision_from_yaml"]:
         conflicts.append(f"{launch['path']} sets mixed_precision {launch['mixed_precision']} next to "
                          f"deepspeed_config_file {ds_place}: accelerate refuses both; remove the key and pass "
                          "--mixed_precision on the launch line (the json's \"auto\" follows it)")
@@ -150,13 +223,12 @@ def check_deepspeed_values(ds: dict, ds_place: str, cfg: TrainConfig, world: int
 
 def check_zero(zero: dict, ds_place: str, conflicts: list[str]) -> None:
     stage = zero.get("stage", 0)
-    offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none")
-    offload_param = zero.get("offload_param", {}).get("device", "none")
-    if offload_param != "none" and stage < 3:
-        conflicts.append(f"offload: {ds_place} offloads parameters to {offload_param} at ZeRO stage {stage}; "
+    offload = zero_offload(zero)
+    if offload["param"] != "none" and stage < 3:
+        conflicts.append(f"offload: {ds_place} offloads parameters to {offload['param']} at ZeRO stage {stage}; "
                          "DeepSpeed offloads parameters only at stage 3 (use stage 3, or offload_optimizer alone)")
-    if offload_optimizer != "none" and stage < 1:
-        conflicts.append(f"offload: {ds_place} offloads the optimizer to {offload_optimizer} at ZeRO stage 0; "
+    if offload["optimizer"] != "none" and stage < 1:
+        conflicts.append(f"offload: {ds_place} offloads the optimizer to {offload['optimizer']} at ZeRO stage 0; "
                          "DeepSpeed offloads the optimizer only at stages 1 to 3")
     if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
         conflicts.append(f"export: {ds_place} runs ZeRO-3 without \"stage3_gather_16bit_weights_on_model_save\": "
@@ -166,19 +238,19 @@ def check_zero(zero: dict, ds_place: str, conflicts: list[str]) -> None:
 
 def check_topology(launch: dict, conflicts: list[str]) -> None:
     """The yaml mistakes that make `accelerate launch` start something other than what it says."""
-    path, kind = launch["path"], launch["distributed_type"]
+    path, kind = launch["path"], launch["yaml_distributed_type"]
     processes, machines = launch["num_processes"], launch["num_machines"]
-    if processes < 1:
-        conflicts.append(f"{path} leaves num_processes unset: pass --num_processes on the launch line")
-    elif processes % machines:
+    if processes < launch["requested_processes"]:
+        conflicts.append(f"{path or 'the launch'}: distributed_type {kind} starts a single process"
+                         f"{' without mpirun' if kind == 'MULTI_CPU' else ''}, not the {launch['requested_processes']} "
+                         "asked for; for several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU "
+                         "(train.py uses gloo there), or --multi_gpu on the launch line")
+    if processes % machines:
         conflicts.append(f"{path}: num_processes {processes} (all machines together) is not a multiple of "
                          f"num_machines {machines}")
     if machines > 1 and not launch["main_process_ip"]:
         conflicts.append(f"{path}: {machines} machines but no main_process_ip for them to meet at "
                          "(set it, or pass --main_process_ip)")
-    if kind == "MULTI_CPU" and processes > 1 and not launch["mpirun"]:
-        conflicts.append(f"{path}: distributed_type MULTI_CPU starts a single process without mpirun, not "
-                         f"{processes}; use MULTI_GPU as accelerate_configs/cpu.yaml does (train.py uses gloo on CPU)")
     if launch["dynamo_backend"] != "NO":
         conflicts.append(f"{path}: dynamo_backend {launch['dynamo_backend']}: {COMPILE_REFUSED}")
     if kind == "MULTI_GPU" and launch["use_cpu"]:
@@ -254,12 +326,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     conflicts, warnings = [], []
     kind, world, machines = launch["distributed_type"], launch["num_processes"], launch["num_machines"]
     check_topology(launch, conflicts)
-    if args.mixed_precision:
-        precision, source = args.mixed_precision, "the launch line (--mixed_precision)"
-    elif launch["mixed_precision"] is not None:
-        precision, source = launch["mixed_precision"], f"{launch['path']} mixed_precision"
-    else:
-        precision, source = "no", "the default (no mixed_precision anywhere)"
+    precision, source = launch["mixed_precision"], launch["precision_source"]
 
     stage, offload, ds_place = 0, {}, None
     if kind == "DEEPSPEED":
@@ -273,12 +340,11 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
                 zero = {}
             check_zero(zero, ds_place, conflicts)
             stage = zero.get("stage", 0)
-            offload = {part: zero.get(key, {}).get("device", "none")
-                       for part, key in (("optimizer states", "offload_optimizer"), ("weights", "offload_param"))}
+            devices = zero_offload(zero)
+            offload = {part: devices[setting] for part, setting in OFFLOADED_BY.items()}
     elif kind == "FSDP":
-        shards_nothing = launch["fsdp"].get("fsdp_sharding_strategy") == "NO_SHARD"
-        stage = 0 if shards_nothing else 3
-        if launch["fsdp"].get("fsdp_offload_params"):
+        stage = 0 if launch["fsdp_sharding_strategy"] == "NO_SHARD" else 3
+        if launch["fsdp_offload_params"]:
             offload = {"weights": "cpu", "gradients": "cpu", "optimizer states": "cpu"}
     check_machine(launch, precision, source, args.target, conflicts, warnings)
 
@@ -297,7 +363,9 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     report = [
         ("accelerate config", launch["path"] or "none: one process, as `python train.py`"),
         ("deepspeed config", ds_place or "-"),
-        ("strategy", f"{strategy} ({kind}) on {devices}"),
+        ("strategy", f"{strategy} ({kind}"
+                     + (f"; the yaml says {launch['yaml_distributed_type']}" if kind != launch["yaml_distributed_type"] else "")
+                     + f") on {devices}"),
         ("processes", f"{plural(world, 'process')} on {plural(machines, 'machine')}"
                       + (f", {world // machines} per machine" if machines > 1 else "")),
         ("precision", f"{precision}, from {source}" + (f" and {ds_place}" if ds_place else "")),

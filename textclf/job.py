@@ -29,7 +29,7 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     Everything the user can get wrong here is an InputError, raised before anything is written.
     """
     train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
-                                                   cfg.eval_split, cfg.seed)
+                                                   cfg.eval_split, cfg.seed, cfg.delimiter, cfg.encoding)
     data_fingerprint = fingerprint(train_set)
     with tokenizer_first():
         tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, data_fingerprint, cfg.max_length)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from .checkpoint import POSITION, STEP_DIR, read_position
+from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position
 from .errors import InputError
 from .modeling import apply_lora
 
@@ -27,8 +27,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def load_trained(path: str, allow_pickle: bool = False):
     """(model, tokenizer) from an exported model folder or a step_<N> checkpoint; the model in eval mode.
 
-    `allow_pickle` lets a DeepSpeed checkpoint load: DeepSpeed's files are full pickles, which can
-    run code stored in them.
+    `allow_pickle` lets a DeepSpeed or FSDP-sharded checkpoint load: DeepSpeed's files and the
+    metadata of FSDP's distributed checkpoint are full pickles, which can run code stored in them.
     """
     if not os.path.isdir(path):
         raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
@@ -112,7 +112,7 @@ def checkpoint_weights(checkpoint: str, allow_pickle: bool) -> dict:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(checkpoint)
-    path = os.path.join(checkpoint, "pytorch_model_fsdp_0")
+    path = os.path.join(checkpoint, FSDP_SHARDED)
     if os.path.isdir(path):  # FSDP with SHARDED_STATE_DICT: a torch.distributed.checkpoint folder
         needs_pickle("the metadata of FSDP's distributed checkpoint is a pickle")
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

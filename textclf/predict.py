@@ -1,6 +1,6 @@
 """Predict: label id, label name and class probabilities for texts given on the command line or in a file.
 
-    python -m textclf.predict --model checkpoints/model --text "味道很好" "送得太慢了" --output out.jsonl
+    python -m textclf.predict --model checkpoints/model --text "味道很好" "送得太慢了"      # to the terminal
     python -m textclf.predict --model checkpoints/step_500 --file new.csv --text_column review --output out.csv
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.predict --model ... --file ... --output ...
 
@@ -93,23 +93,31 @@ def main(argv=None) -> None:
     source.add_argument("--text", nargs="+", help="one or more texts")
     source.add_argument("--file", help="a CSV, JSON Lines or JSON file, or a folder saved by `datasets`")
     parser.add_argument("--text_column", default="review", help="the column of --file that holds the text")
-    parser.add_argument("--output", required=True, help="where to write: a .csv or .jsonl file")
+    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
+    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
+    parser.add_argument("--output", help="where to write: a .csv or .jsonl file; without it, one line per text "
+                        "on the terminal: label name, its probability, text")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
     parser.add_argument("--allow_pickle", action="store_true",
                         help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
     args = parser.parse_args(argv)
-    if not args.output.endswith(OUTPUT_FORMATS):
+    if args.output and not args.output.endswith(OUTPUT_FORMATS):
         raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
     transformers_logging.disable_progress_bar()  # the prediction bar is the one that matters
 
     accelerator = inference_accelerator()
-    texts = args.text if args.text else read_texts(args.file, args.text_column)
+    texts = args.text if args.text else read_texts(args.file, args.text_column, args.delimiter, args.encoding)
     model, tokenizer = load_trained(args.model, args.allow_pickle)
     logits = predict_logits(model, tokenizer, texts, batch_size=args.batch_size, accelerator=accelerator,
                             progress=True)
     if accelerator.is_main_process:
-        write_rows(prediction_rows(texts, logits, label_names(model)), args.output)
-        accelerator.print(f"wrote {len(texts)} predictions to {args.output}")
+        rows = prediction_rows(texts, logits, label_names(model))
+        if args.output:
+            write_rows(rows, args.output)
+            accelerator.print(f"wrote {len(texts)} predictions to {args.output}")
+        else:
+            for row in rows:
+                print(f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}\t{row['text']}")
     accelerator.end_training()  # a clean shutdown of the process group on every rank
 
 

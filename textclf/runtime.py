@@ -12,16 +12,16 @@ from contextlib import contextmanager
 import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DynamoBackend
+from accelerate.utils import DynamoBackend, is_wandb_available
 
 from .config import TrainConfig
 from .errors import InputError
 
-# torch.compile is refused rather than half supported: measured on a CPU it made training slower (README,
-# "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
-COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager (README, "
-                   "\"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, which export, "
-                   "predict and a resume without it cannot read; launch with --dynamo_backend no")
+# torch.compile is refused rather than half supported: measured on a CPU it made training slower
+# (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
+COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager "
+                   "(docs/benchmark.md, \"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, "
+                   "which export, predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -33,23 +33,28 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     """
     has_cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    precision = resolve_precision(cfg.mixed_precision)
     if precision == "fp16" and not has_cuda:
         raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); "
                          "use bf16 or no on this machine")
+    check_trackers(cfg.report_to)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if deepspeed and not has_cuda:
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
     trackers = {"none": None, "all": "all"}.get(cfg.report_to, [cfg.report_to])
     accelerator = Accelerator(
         cpu=not has_cuda and not deepspeed,
+        mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
         step_scheduler_with_optimizer=False,
         log_with=trackers,
         project_dir=cfg.output_dir,
         # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
+        # a blocking copy would wait for the previous step to finish before the next could be queued.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                  non_blocking=has_cuda),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
     )
     dynamo_backend = accelerator.state.dynamo_plugin.backend
@@ -59,23 +64,53 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
         # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
         plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
-    if (zero_offload(accelerator) or {}).get("optimizer", "none") != "none":
+    if plugin is not None and zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
         load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
     return accelerator
 
 
-def zero_stage(accelerator: Accelerator):
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin.zero_stage if plugin is not None else None
+def resolve_precision(asked):
+    """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
+
+    `accelerate launch` always sets ACCELERATE_MIXED_PRECISION (from its --mixed_precision or the yaml),
+    and the Accelerator would let the script's value win without a word.
+    """
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if asked and launched and asked != launched:
+        raise InputError(f"--mixed_precision {asked} contradicts the launch, which runs {launched} (accelerate "
+                         "launch's --mixed_precision or the yaml's mixed_precision): set it on the launch line, "
+                         "or drop --mixed_precision")
+    return asked or launched or "no"
 
 
-def zero_offload(accelerator: Accelerator):
-    """Where DeepSpeed keeps optimizer states and parameters: {"optimizer": "cpu", "param": "none"}."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return None
-    zero = plugin.deepspeed_config.get("zero_optimization", {})
-    return {part: zero.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
+def check_trackers(report_to: str) -> None:
+    """Stop now, before anything is written, if a tracker asked for cannot start.
+
+    Accelerate drops a tracker whose package is missing without a word (a debug log), and wandb
+    without a login fails only in `init_trackers`, after run.json is written.
+    """
+    if report_to == "tensorboard":
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (what accelerate's TensorBoardTracker imports)
+        except ImportError as e:
+            raise InputError(f"--report_to tensorboard, but tensorboard cannot be imported ({e}); "
+                             "pip install tensorboard, or pass --report_to none") from None
+    if report_to == "wandb" or (report_to == "all" and is_wandb_available()):
+        try:
+            import wandb
+        except ImportError as e:
+            raise InputError(f"--report_to {report_to}, but wandb cannot be imported ({e}); "
+                             "pip install wandb, or pass --report_to tensorboard or none") from None
+        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+        if not offline and not wandb.login(verify=False, prompt=False):
+            raise InputError(f"--report_to {report_to}, but wandb has no login here (no WANDB_API_KEY, no "
+                             "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
+
+
+def zero_offload(zero_optimization: dict) -> dict[str, str]:
+    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
+    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
+    return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
@@ -90,13 +125,14 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
     except ImportError:
         deepspeed_version = None
     micro = cfg.per_device_train_batch_size
+    plugin = accelerator.state.deepspeed_plugin
     return {
         "distributed_type": str(accelerator.distributed_type.value),
         "num_processes": accelerator.num_processes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", 1))),
         "mixed_precision": accelerator.mixed_precision,
-        "zero_stage": zero_stage(accelerator),
-        "zero_offload": zero_offload(accelerator),
+        "zero_stage": plugin.zero_stage if plugin else None,
+        "zero_offload": zero_offload(plugin.deepspeed_config.get("zero_optimization", {})) if plugin else None,
         "device": str(accelerator.device),
         "micro_batch_size": micro,
         "global_batch_size": micro * cfg.gradient_accumulation_steps * accelerator.num_processes,
@@ -147,11 +183,13 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# DeepSpeed's C++ ops that launches on this machine compile at first use, who loads them, and how long
-# compiling took on this project's 2-core CPU machines (scripts/warm_deepspeed_ops.py).
+# DeepSpeed's C++ ops that launches compile at first use, by the names DeepSpeed's accelerator knows their
+# builders: who loads each, how long compiling took on this project's 2-core CPU machines when idle
+# (scripts/warm_deepspeed_ops.py), and whether a CUDA machine loads it too.
 DEEPSPEED_OPS = {
-    "ShareMemCommBuilder": ("deepspeed.comm on a CPU (every zero*.yaml launch without CUDA)", 45),
-    "CPUAdamBuilder": ("DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)", 60),
+    "ShareMemCommBuilder": ("deepspeed.comm on a CPU (every zero*.yaml launch without CUDA)", 45, False),
+    "CPUAdamBuilder": ("DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)",
+                       60, True),
 }
 # File systems that other machines may share: a build lock there may belong to a build on another machine.
 SHARED_FILE_SYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",

@@ -1,8 +1,8 @@
 """The benchmark's two baselines, written plainly: a hand-made PyTorch loop, and the HF Trainer.
 
-    python -m textclf.bench_baselines plain_pytorch      <train.py options>
-    python -m textclf.bench_baselines hf_trainer         <train.py options>   # settings equal to train.py's
-    python -m textclf.bench_baselines hf_trainer_default <train.py options>   # the Trainer's defaults
+    python -m benchmarks.baselines plain_pytorch      <train.py options>
+    python -m benchmarks.baselines hf_trainer         <train.py options>   # settings equal to train.py's
+    python -m benchmarks.baselines hf_trainer_default <train.py options>   # the Trainer's defaults
 
 Each takes train.py's own options (parsed by textclf.config), so data, split, tokenizer, model
 weights, batch size, steps, seed and hyperparameters are the job's by construction. Each writes
@@ -26,12 +26,12 @@ from transformers import (
     set_seed,
 )
 
-from .config import TrainConfig, parse_config
-from .data import make_loaders
-from .job import build_job
-from .metrics import classification_scores, evaluate_model
-from .modeling import parameter_groups
-from .tracking import Window, append_log
+from textclf.config import TrainConfig, parse_config
+from textclf.data import make_loaders
+from textclf.job import build_job
+from textclf.metrics import classification_scores, evaluate_model
+from textclf.modeling import parameter_groups
+from textclf.tracking import Window, append_log
 
 BASELINES = {  # name: what runs
     "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
@@ -60,8 +60,8 @@ def plain_pytorch(cfg: TrainConfig) -> None:
     train_set, eval_set, tokenizer, model = prepare(cfg)
     train_loader, eval_loader = loaders(cfg, train_set, eval_set, tokenizer)
     model.to(device)
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, fused=True)
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     total_steps = cfg.max_steps
     scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
 
@@ -137,12 +137,13 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    append_log(cfg.output_dir, trainer.state.global_step, evaluate_model(trainer.model, eval_loader, trainer.accelerator))
+    append_log(cfg.output_dir, trainer.state.global_step,
+               evaluate_model(trainer.model, eval_loader, trainer.accelerator))
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in BASELINES:
-        sys.exit(f"usage: python -m textclf.bench_baselines {{{','.join(BASELINES)}}} <train.py options>")
+        sys.exit(f"usage: python -m benchmarks.baselines {{{','.join(BASELINES)}}} <train.py options>")
     cfg = parse_config(argv[1:])
     if not cfg.max_steps or cfg.gradient_accumulation_steps != 1 or cfg.lora:
         sys.exit("the baselines run a fixed number of steps (--max_steps), without accumulation or LoRA")

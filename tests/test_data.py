@@ -1,0 +1,143 @@
+"""Reading the user's files (textclf.data.load_table): the formats, encodings, and one clear line for every
+file that cannot be read. Files are made from the reviews of the default corpus; nothing trains."""
+
+import csv
+import io
+import json
+import os
+
+import pytest
+
+from conftest import read_csv
+from textclf.data import load_table
+from textclf.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def rows(reviews_csv):
+    return [{"label": row["label"], "review": row["review"]} for row in read_csv(reviews_csv)][:40]
+
+
+def delimited(rows, delimiter):
+    text = io.StringIO()
+    writer = csv.writer(text, delimiter=delimiter, lineterminator="\n")
+    writer.writerows([["label", "review"]] + [list(row.values()) for row in rows])
+    return text.getvalue()
+
+
+def json_lines(rows):
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+FORMATS = {
+    "csv": ("data.csv", lambda rows: delimited(rows, ","), {}),
+    "tsv": ("data.tsv", lambda rows: delimited(rows, "\t"), {}),
+    "pipes, any suffix": ("data.txt", lambda rows: delimited(rows, "|"), {"delimiter": "|"}),
+    "json lines": ("data.jsonl", json_lines, {}),
+    "json": ("data.json", lambda rows: json.dumps(rows, ensure_ascii=False), {}),
+}
+
+
+@pytest.mark.parametrize("case", FORMATS)
+@pytest.mark.parametrize("encoding", ["utf-8", "gbk", "gb18030"])
+def test_every_format_reads_the_same_rows_in_utf8_and_in_chinese_encodings(tmp_path, capsys, rows, case, encoding):
+    name, render, options = FORMATS[case]
+    path = tmp_path / name
+    content = render(rows).encode(encoding)
+    path.write_bytes(content)
+    table = load_table(str(path), **options)
+    assert table.column_names == ["label", "review"] and table[:] == {k: [r[k] for r in rows] for k in rows[0]}
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    if encoding == "utf-8":
+        assert not notes
+    else:  # said once, with where UTF-8 failed
+        with pytest.raises(UnicodeDecodeError) as where:
+            content.decode("utf-8")
+        at = where.value.start
+        line, column = content.count(b"\n", 0, at) + 1, at - (content.rfind(b"\n", 0, at) + 1) + 1
+        assert notes == [f"note: {path} is not UTF-8 (undecodable byte 0x{content[at]:02x} at line {line}, "
+                         f"column {column}); reading it as GB18030 (GBK). Choose another encoding with --encoding"]
+    assert sorted(os.listdir(tmp_path)) == [name]  # no converted copy beside the user's data
+
+
+def test_parquet_and_a_datasets_folder(tmp_path, rows):
+    from datasets import Dataset
+
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "data.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for path in ("data.parquet", "saved"):
+        assert load_table(str(tmp_path / path))["review"] == [row["review"] for row in rows]
+
+
+def test_an_encoding_given_is_used_and_not_guessed(tmp_path, capsys, rows):
+    path = tmp_path / "big5.csv"
+    path.write_bytes(delimited(rows[:3], ",").encode("big5", errors="replace"))
+    assert load_table(str(path), encoding="big5")["label"] == [row["label"] for row in rows[:3]]
+    assert "note:" not in capsys.readouterr().out
+
+
+def write(path, content: bytes):
+    path.write_bytes(content)
+    return str(path)
+
+
+UNREADABLE = {
+    "binary junk": ("junk.csv", bytes(range(256)) * 8, {},
+                    "cannot read {path}: it is not text (it holds NUL bytes;"),
+    "utf-16": ("wide.csv", "label,review\npositive,好\n".encode("utf-16"), {},
+               "cannot read {path}: it is UTF-16 text; pass --encoding utf-16"),
+    "neither utf-8 nor gb18030": ("latin.csv", b"label,review\npositive,caf\xe9\xff\n", {},
+                                  "cannot read {path}: it is not UTF-8 (undecodable byte 0xe9 at line 2, column 13) "
+                                  "nor GB18030"),
+    "not the encoding given": ("given.csv", "label,review\npositive,好吃\n".encode("gbk"), {"encoding": "utf-8"},
+                               "cannot read {path} as utf-8: undecodable byte 0xba at line 2, column 10; pass the "
+                               "file's encoding with --encoding"),
+    "too many fields": ("fields.csv", b"label,review\npositive,good\nnegative,bad, really bad\n", {},
+                        "cannot parse {path} as delimited text (delimiter ','): line 3 has 3 fields where the lines "
+                        "before have 2; quote fields that contain the delimiter"),
+    "tab-separated text read as csv": ("tabs.csv", "label\treview\npositive\t好，很好\nnegative\t差,很差\n".encode(), {},
+                                       "line 3 has 2 fields where the lines before have 1; quote fields that contain "
+                                       "the delimiter (\"a,b\"), or pass the file's delimiter with --delimiter "
+                                       "(e.g. --delimiter '\\t')"),
+    "bad json line": ("bad.jsonl", b'{"label": "positive", "review": "ok"}\n{"label": positive}\n', {},
+                      "cannot parse {path} as JSON: line 2, column 11: Expecting value; expected one JSON object "
+                      "per line (JSON Lines)"),
+    "bad json": ("bad.json", b'[{"label": "positive", "review": "ok"},\n {"label": "negative" "review": "no"}]', {},
+                 "cannot parse {path} as JSON: line 2, column 23: Expecting ',' delimiter"),
+    "json of the wrong shape": ("shape.json", b'{"rows": 3}\n[1, 2]', {}, "cannot parse {path} as JSON: line 2"),
+    "unknown suffix": ("data.txt", b"label,review\n", {}, "cannot read {path}: unknown file type '.txt'"),
+    "not parquet": ("data.parquet", b"label,review\n", {}, "cannot read {path} as parquet: "),
+    "empty": ("empty.jsonl", b"", {}, "data set {path} is empty: no rows"),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_a_file_that_cannot_be_read_is_one_line_naming_the_cause_and_what_to_do(tmp_path, case):
+    name, content, options, message = UNREADABLE[case]
+    path = write(tmp_path / name, content)
+    with pytest.raises(InputError) as error:
+        load_table(path, **options)
+    assert message.format(path=path) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_path):
+    from textclf.data import load_splits
+
+    path = write(tmp_path / "tabs.csv", "label\treview\npositive\t好\nnegative\t差\n".encode())
+    with pytest.raises(InputError, match="its columns are: label\treview .choose with --text_column or pass the "
+                                         "file's delimiter with --delimiter"):
+        load_splits(path, None, "review", "label", 0.1, 0)
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "gb18030"])
+def test_where_decoding_fails_is_found_across_chunks(tmp_path, rows, encoding):
+    from textclf.data import undecodable
+
+    good = json_lines(rows).encode(encoding)
+    at = good.index("，".encode(encoding), 300)  # a character boundary: before a full-width comma
+    path = write(tmp_path / "data.jsonl", good[:at] + b"\xff\xff" + good[at:])
+    line, column = good.count(b"\n", 0, at) + 1, at - (good.rfind(b"\n", 0, at) + 1) + 1
+    for chunk_size in (7, 64, 1 << 24):  # a multi-byte character cut by every chunk boundary, or none
+        assert undecodable(path, encoding, chunk_size) == f"byte 0xff at line {line}, column {column}"
+        assert undecodable(write(tmp_path / "good.jsonl", good), encoding, chunk_size) is None

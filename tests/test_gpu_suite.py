@@ -1,0 +1,72 @@
+"""scripts/gpu_suite.py, the GPU machine's one command, as far as a machine without CUDA can run it: its
+arguments, its plan, and a whole run in which every GPU test is skipped and the report says so."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+SCRIPT = [sys.executable, "scripts/gpu_suite.py"]
+
+
+def suite(*args, check=True):
+    result = subprocess.run([*SCRIPT, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_the_plan_runs_the_gpu_tests_in_parallel_groups_then_the_named_benchmark():
+    plan = json.loads(suite("--dry_run", "--no_install", "--workers", 4, "--pytest_args", "-k zero3",
+                            "--bench_module", "benchmarks", "--bench_args", "--only single --repeats 2").stdout)
+    tests = plan["tests"]
+    assert tests[tests.index("-m") + 1:tests.index("-m") + 3] == ["pytest", "tests/test_gpu.py"]
+    assert ["-m", "gpu"] == tests[tests.index("gpu") - 1:tests.index("gpu") + 1]
+    assert tests[tests.index("-n"):tests.index("-n") + 4] == ["-n", "4", "--dist", "loadgroup"]
+    assert tests[-2:] == ["-k", "zero3"]
+    assert plan["bench"][1:] == ["-m", "benchmarks", "--only", "single", "--repeats", "2"]
+    assert plan["install"] is None and plan["budget_s"] == 570
+
+
+def test_the_install_takes_every_wheel_brought_along(tmp_path):
+    for name in ("b-1.0-py3-none-any.whl", "a-2.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    install = json.loads(suite("--dry_run", "--wheels", tmp_path, "--site", tmp_path / "site").stdout)["install"]
+    assert install[install.index("--target") + 1] == str(tmp_path / "site")
+    assert "--no-index" in install and "--no-deps" in install
+    assert install[-2:] == [str(tmp_path / "a-2.0-py3-none-any.whl"), str(tmp_path / "b-1.0-py3-none-any.whl")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", 40], "--budget 40 leaves no time to run anything"),
+    (["--budget", 300, "--bench_reserve", 290], "--bench_reserve 290 must leave time for the tests"),
+    (["--wheels", "no_such_folder"], "no wheels in no_such_folder: fetch them with scripts/gpu_wheels.sh"),
+    (["--workers", -1], "--workers must be 0"),
+])
+def test_arguments_that_cannot_work_are_refused_before_anything_runs(args, message):
+    result = suite(*args, check=False)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_the_wheel_script_is_valid_bash():
+    assert subprocess.run(["bash", "-n", "scripts/gpu_wheels.sh"], cwd=REPO).returncode == 0
+
+
+@pytest.mark.slow
+def test_without_cuda_the_report_shows_every_gpu_test_skipped_with_its_reason(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the suite would really run (tests/test_gpu.py)")
+    report = tmp_path / "report.md"
+    suite("--no_install", "--no_bench", "--budget", 300, "--report", report, "--work_dir", tmp_path / "work")
+    text = report.read_text(encoding="utf-8")
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_gpu.py"], cwd=REPO,
+                               capture_output=True, text=True).stdout.count("tests/test_gpu.py::")
+    assert collected > 30 and f"**Tests: {collected} skipped.**" in text
+    assert text.count("| skipped | ") == collected and "needs a CUDA GPU, which this machine lacks" in text
+    assert "- cuda_available: False" in text and "| torch | " in text and "| tests | exit 0 |" in text
+    assert "## Benchmark" in text and "Not run" in text

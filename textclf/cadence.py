@@ -1,0 +1,64 @@
+"""When train.py evaluates, saves and stops: the Trainer's eval/save strategies, the best model, early stopping.
+
+The best evaluation so far travels in every checkpoint's position.json, so a resumed run keeps
+counting patience and knows which checkpoint to export.
+"""
+
+import json
+import os
+from typing import Optional
+
+from accelerate import Accelerator
+
+from .checkpoint import write_json
+from .errors import InputError
+
+
+def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) -> bool:
+    """Whether optimizer step `step` ends a period of `strategy` ('steps' every `every`, 'epoch', 'no').
+
+    Accelerate syncs gradients at the end of every epoch, so epoch e ends exactly at step
+    (e + 1) x steps_per_epoch.
+    """
+    if strategy == "epoch":
+        return step % steps_per_epoch == 0
+    return strategy == "steps" and every is not None and step % every == 0
+
+
+def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str) -> dict:
+    """The best evaluation after this one, and how many evaluations in a row did not improve on it.
+
+    As in the Trainer's EarlyStoppingCallback, only a strictly higher value counts as an improvement;
+    a tie still moves the best to the newer checkpoint, the one rotation keeps (checkpoint.rotate).
+    `checkpoint` is where this step's checkpoint is (or would be) saved.
+    """
+    if metric not in metrics:
+        raise InputError(f"metric_for_best_model {metric} is not one of the evaluation's: {', '.join(metrics)}")
+    value = metrics[metric]
+    improved = best is None or value > best["value"]
+    waited = 0 if improved else best["evaluations_without_improvement"] + 1
+    if improved or value == best["value"]:
+        return {"step": step, "value": value, "metrics": metrics, "checkpoint": checkpoint,
+                "evaluations_without_improvement": waited}
+    return {**best, "evaluations_without_improvement": waited}
+
+
+def patience_ran_out(best: Optional[dict], patience: Optional[int]) -> bool:
+    return patience is not None and best is not None and best["evaluations_without_improvement"] >= patience
+
+
+def load_best(accelerator: Accelerator, best: dict, step: int, output_dir: str) -> dict:
+    """Put the best checkpoint's weights into the model (unless they are the ones at hand), record in
+    run.json which step they are from, and return their evaluation."""
+    if best["step"] != step:
+        accelerator.load_state(best["checkpoint"])
+    if accelerator.is_main_process:
+        path = os.path.join(output_dir, "run.json")
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+        run["best_model"] = {"step": best["step"], "checkpoint": best["checkpoint"] if best["step"] != step else None,
+                             **best["metrics"]}
+        write_json(path, run)
+    accelerator.print(f"best model: step {best['step']} ({', '.join(f'{k} {v:.4f}' for k, v in best['metrics'].items() if k != 'eval_samples')})"
+                      + (f", loaded from {best['checkpoint']}" if best["step"] != step else ", the last step"))
+    return best["metrics"]
