@@ -63,9 +63,11 @@ def error_lines(text: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config_file", [None, CPU_YAML], ids=["one-process", "cpu.yaml"])
 def test_two_runs_started_together_one_owns_the_folder_and_the_other_says_which_process(
-        tmp_path, args, config_file):
+        tmp_path, args, config_file, four_step_run):
+    # four_step_run has filled the caches (tokenizer, tokenized data): both runs start as fast, and the
+    # first to claim the folder is still training when the other gets there.
     out = tmp_path / "shared"
-    run = [*args, "--max_steps", 30, "--save_steps", 10, "--output_dir", out]
+    run = [*args, "--max_steps", 60, "--save_steps", 20, "--output_dir", out]
     runs = [launch(train_command(run, config_file)) for _ in range(2)]
     outputs = [finish(process) for process in runs]
     codes = [process.returncode for process in runs]
@@ -76,12 +78,12 @@ def test_two_runs_started_together_one_owns_the_folder_and_the_other_says_which_
     assert len(errors) == 1 and f"{out} is in use by another run ({holder})" in errors[0], refused[-3000:]
     assert re.match(r"pid \d+ on \S+, since ", holder)
     # The folder holds one run: every step logged once, checkpoints made by that run, its model.
-    assert sorted(losses(out)) == list(range(1, 31))
-    assert sorted(name for name in os.listdir(out) if name.startswith("step_")) == ["step_10", "step_20", "step_30"]
+    assert sorted(losses(out)) == list(range(1, 61))
+    assert sorted(name for name in os.listdir(out) if name.startswith("step_")) == ["step_20", "step_40", "step_60"]
     assert (out / "model" / "model.safetensors").exists()
     # Its lock went with it: the folder is free again, and resume finds the run's last checkpoint.
     result = run_train([*run, "--resume", "latest"], config_file=config_file)
-    assert f"resumed from {out / 'step_30'} at optimizer step 30" in result.stdout
+    assert f"resumed from {out / 'step_60'} at optimizer step 60" in result.stdout
 
 
 @pytest.mark.slow
