@@ -344,3 +344,14 @@ def moved_away(folder, to):
         yield to
     finally:
         os.rename(to, folder)
+
+
+@pytest.fixture(scope="session")
+def four_step_run(tmp_path_factory, reviews_csv, cache_dir) -> Path:
+    """One process, 4 optimizer steps of TINY on reviews_csv, checkpoints step_2/ and step_4/: the
+    uninterrupted run that resumes are held against, and a source of checkpoints to damage (copy them:
+    several tests share it)."""
+    out = tmp_path_factory.mktemp("four_steps")
+    run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
+               "--output_dir", out])
+    return out

@@ -7,7 +7,6 @@ One launch per family and strategy serves every assertion about it (`family_run`
 """
 
 import json
-import os
 import random
 import re
 import shutil

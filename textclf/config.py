@@ -412,7 +412,9 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
                          "train.py does not know; resume it with the version of train.py that made it")
     if config.get("eval_strategy") == ("steps" if config.get("eval_steps") else "no"):
         config["eval_strategy"] = None  # derived from eval_steps: derive it again, from this run's eval_steps
-    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None}
+    # Moving the folder aside was the starting run's act, not part of the run: a resume does not repeat it.
+    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None,
+                  "overwrite_output_dir": False}
 
 
 def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
-from .errors import InputError, run_command
+from .errors import WRITE_ERRORS, InputError, run_command, write_failed
 from .loading import load_trained, load_weights, weight_files
 from .modeling import apply_lora
 from .predict import predict_logits
@@ -110,14 +110,19 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     tmp = os.path.join(parent, f".{name}.incomplete")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
     try:
-        if isinstance(model, PeftModel) and not merge:
-            model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
-            model.unload().save_pretrained(tmp)  # beside them the base they apply to (loading.py: the layout)
-        else:
-            if isinstance(model, PeftModel):
-                model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
-            model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        try:
+            if isinstance(model, PeftModel) and not merge:
+                model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
+                model.unload().save_pretrained(tmp)  # beside them the base they apply to (loading.py: the layout)
+            else:
+                if isinstance(model, PeftModel):
+                    model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
+                model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except WRITE_ERRORS as e:
+            raise write_failed("export the model to", target, e, "free space (or choose another place), then export "
+                               "again: train.py --resume latest, or python -m textclf.export <step_N> <target>; "
+                               "checkpoints are untouched") from None
         verify_weights(tmp)
         reloaded, reloaded_tokenizer = load_trained(tmp)
         actual = predict_logits(reloaded, reloaded_tokenizer, PROBE_TEXTS)
@@ -125,7 +130,11 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
         if not torch.allclose(actual, expected, rtol=1e-4, atol=1e-5):
             raise InputError(f"export to {target} failed verification: the written model's logits differ from the "
                              f"trained model's by up to {(actual - expected).abs().max():.2e}")
-        replace_folder(tmp, target)
+        try:
+            replace_folder(tmp, target)
+        except OSError as e:
+            raise write_failed("put the exported model in place at", target, e, "move the folder in the way "
+                               "(or make it writable), then export again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # already gone when it became the target
     return target

@@ -11,6 +11,7 @@ a folder that holds its own config.json is not sent there.)
 
 import glob
 import os
+import pickle
 import tempfile
 
 import torch
@@ -82,6 +83,10 @@ def _load_folder(folder: str):
             model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"cannot load a model from {folder}: {str(e).splitlines()[0]}") from None
+    except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
+        raise InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than "
+                         "tensors, which could run code when loaded; save the model as safetensors where it came from "
+                         "(save_pretrained does by default)") from None
     # from_pretrained fills missing weights with random ones and only warns: refuse instead.
     incomplete = info["missing_keys"] or info["mismatched_keys"]
     if incomplete:

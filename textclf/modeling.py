@@ -2,6 +2,7 @@
 texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
 import os
+import shutil
 from typing import Optional
 
 import torch
@@ -120,7 +121,12 @@ def train_tokenizer(texts, folder: str) -> None:
     os.makedirs(tmp, exist_ok=True)
     wordpiece.save_model(tmp)
     BertTokenizerFast(os.path.join(tmp, "vocab.txt")).save_pretrained(tmp)
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another run learnt the same vocabulary from the same texts and put it there first
+        if not os.path.isdir(folder):
+            raise
+        shutil.rmtree(tmp)
 
 
 def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> BertConfig:

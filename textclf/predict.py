@@ -23,6 +23,7 @@ from transformers.utils import logging as transformers_logging
 from .errors import InputError, run_command
 from .data import length_sorted_loader, read_texts, tokenize
 from .loading import load_trained
+from .runtime import die_with_launcher
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
 
@@ -121,4 +122,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
     run_command(main)

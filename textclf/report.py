@@ -21,6 +21,7 @@ from .errors import InputError, run_command
 from .data import encode_labels, load_table, select_columns
 from .metrics import classification_scores
 from .loading import load_trained
+from .runtime import die_with_launcher
 from .predict import inference_accelerator, label_names, predict_logits
 
 REPORT = "report.json"
@@ -130,4 +131,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
     run_command(main)
