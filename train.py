@@ -23,7 +23,7 @@ import threading
 import torch
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
-from transformers import get_linear_schedule_with_warmup
+from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, tracking
 from textclf.data import make_loaders
@@ -31,7 +31,7 @@ from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator
+from textclf.runtime import describe, die_with_launcher, exit_finished_run, make_accelerator
 from textclf.task import Task
 
 
@@ -71,11 +71,15 @@ def main(cfg: TrainConfig) -> None:
     batches_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes)  # per process, once sharded
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    if resume_from:  # before any step runs: the position fits this schedule, every file is the one saved
+        checkpoint.check_resume(accelerator, resume_from, position, total_steps=total_steps,
+                                steps_per_epoch=steps_per_epoch, batches_per_epoch=batches_per_epoch,
+                                gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
-    scheduler = get_linear_schedule_with_warmup(optimizer, cfg.num_warmup_steps(total_steps), total_steps)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(total_steps), total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:
@@ -85,9 +89,9 @@ def main(cfg: TrainConfig) -> None:
             raise InputError(f"cannot load checkpoint {resume_from}: {str(e).splitlines()[0]}") from None
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
 
-    # From here on the run writes to output_dir.
+    # From here on the run writes to output_dir, which it holds until it ends: one run at a time.
+    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume_from)
     if accelerator.is_main_process:
-        os.makedirs(cfg.output_dir, exist_ok=True)
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
@@ -100,9 +104,9 @@ def main(cfg: TrainConfig) -> None:
         accelerator.unwrap_model(model).config.save_pretrained(folder)
         tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
 
-    def save(step, epoch, batch_in_epoch, metrics):
-        state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity,
-                 "metrics": metrics, "best": best, "config": cfg.to_dict()}
+    def save(step, epoch, batch_in_epoch, metrics, window):
+        state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
+                 "best": best, "loss_window": tracking.window_states(accelerator, window), "config": cfg.to_dict()}
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
             checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from,
@@ -115,7 +119,9 @@ def main(cfg: TrainConfig) -> None:
     if skip >= batches_per_epoch:  # the checkpoint closed its epoch
         start_epoch, skip = start_epoch + 1, 0
     progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    window, metrics = tracking.Window(), {}
+    # The loss window is part of a checkpoint: the first line after a resume averages what it would have.
+    window = tracking.Window(position["loss_window"][accelerator.process_index] if resume_from else None)
+    metrics = {}
     # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm: runtime.py); under it accelerate's
     # clip_grad_norm_ would only read the norm back, which waits for the device at every step.
     clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED
@@ -163,7 +169,7 @@ def main(cfg: TrainConfig) -> None:
                                       f"without improvement of {cfg.metric_for_best_model}")
                     total_steps = step
             if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping:
-                path = save(step, epoch, batch_in_epoch, metrics)
+                path = save(step, epoch, batch_in_epoch, metrics, window)
             if stopping:
                 accelerator.print(f"stopped by SIGTERM at step {step}; continue with: --resume {path}")
                 accelerator.end_training()
@@ -185,5 +191,6 @@ def main(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/runtime.py)
     run_command(lambda: main(cfg))  # bad input: one `error:` line, exit code 2
     exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

@@ -6,7 +6,9 @@ DeepSpeed compiles its ops at first use into the torch extensions cache (~/.cach
 or $TORCH_EXTENSIONS_DIR) and loads them from there afterwards. Measured here, first use costs about
 45 s for the shared-memory comm op, which every DeepSpeed launch on a CPU loads, and about 60 s for
 cpu_adam, which the *_offload configs load; under a test's timeout, and with every test racing for
-the same lock, that is a flaky suite. CI runs this script in one step before the tests.
+the same lock, that is a flaky suite. CI runs this script in one step before the tests. A launch
+that finds an op missing compiles it itself, and says so (textclf.runtime.load_deepspeed_ops, which
+this script calls too: a lock left in the cache by a killed build is cleared or reported first).
 
 The ops are built with -march=native: a cache belongs to one machine type, so warm it where the
 tests run rather than restoring it from elsewhere. On a CUDA machine only cpu_adam is built: the
@@ -15,35 +17,27 @@ offload files step the optimizer on the CPU there too (scripts/gpu_suite.py runs
 
 import os
 import sys
-import time
 
 import torch
 
-# Op builders, by the names DeepSpeed's accelerator knows them, who loads each one, and whether a CUDA
-# machine loads it too.
-OPS = {
-    "ShareMemCommBuilder": ("deepspeed.comm at initialisation on CPU (every zero*.yaml launch)", False),
-    "CPUAdamBuilder": ("DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)",
-                       True),
-}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's textclf
+
+from textclf.runtime import DEEPSPEED_OPS, load_deepspeed_ops  # noqa: E402
 
 
 def main() -> int:
-    from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import get_default_build_root
 
-    accelerator = get_accelerator()
     print(f"torch extensions cache: {os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root()}")
-    for name, (user, on_cuda) in OPS.items():
+    for name, (user, _, on_cuda) in DEEPSPEED_OPS.items():
         if torch.cuda.is_available() and not on_cuda:
             continue
-        builder = accelerator.create_op_builder(name)
-        if builder is None:
-            print(f"error: DeepSpeed's {accelerator.device_name()} accelerator has no {name}", file=sys.stderr)
+        seconds = load_deepspeed_ops([name])
+        if not seconds:
+            print(f"error: DeepSpeed has no {name} compatible with this machine", file=sys.stderr)
             return 1
-        start = time.perf_counter()
-        builder.load(verbose=False)  # compiles on first use, loads from the cache afterwards
-        print(f"{builder.name}: ready in {time.perf_counter() - start:.1f} s (used by {user})")
+        for op, took in seconds.items():
+            print(f"{op}: ready in {took:.1f} s (used by {user})")
     return 0
 
 

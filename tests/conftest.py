@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,146 @@ def tiny_model(tmp_path_factory, reviews_csv) -> Path:
                         label2id={"negative": 0, "positive": 1})
     torch.manual_seed(0)
     return Path(save_verified(BertForSequenceClassification(config), tokenizer, str(folder / "model")))
+
+
+# --- Pretrained models of four families, as `--model <folder>` meets them: tiny, built from a config and saved
+# with save_pretrained, with a tokenizer shaped like the family's (learnt here from the reviews); the decoders'
+# tokenizers have no pad token, as those families ship them. -------------------------------------------------
+
+FAMILIES = ("bert", "llama", "qwen2", "gpt2")
+# Tiny and alike: hidden 32, 2 layers, 64 positions (--max_length 32 fits, 128 does not).
+TINY_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  max_position_embeddings=64)
+
+
+def family_tokenizer(family: str, texts: list[str], folder):
+    """A tokenizer shaped like `family`'s, learnt from `texts` (about 1,000 tokens) and saved in `folder`:
+    BERT's WordPiece; Llama's SentencePiece-style BPE with byte fallback and <s> prepended; Qwen2's and
+    GPT-2's byte-level BPE. Only BERT's has a pad token."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import BertTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast, Qwen2TokenizerFast
+
+    from textclf.modeling import train_tokenizer
+
+    if family == "bert":
+        train_tokenizer(texts, str(folder))
+        return BertTokenizerFast.from_pretrained(folder)
+    if family == "llama":
+        bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+        bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=special, limit_alphabet=300,
+                                                           show_progress=False))
+        learnt = json.loads(bpe.to_str())["model"]
+        tokenizer = LlamaTokenizerFast(vocab=learnt["vocab"], merges=[tuple(m) for m in learnt["merges"]],
+                                       add_bos_token=True)
+    else:
+        eos = "<|endoftext|>"
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(texts, vocab_size=1000, special_tokens=[eos], show_progress=False)
+        learnt = json.loads(bpe._tokenizer.to_str())["model"]
+        vocab, merges = learnt["vocab"], [tuple(m) for m in learnt["merges"]]
+        tokenizer = (Qwen2TokenizerFast(vocab=vocab, merges=merges, eos_token=eos, unk_token=None, pad_token=None)
+                     if family == "qwen2" else
+                     GPT2TokenizerFast(vocab=vocab, merges=merges, bos_token=eos, eos_token=eos, unk_token=eos))
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def family_config(family: str, tokenizer, **shape):
+    """The config of a `family` model for `tokenizer`: TINY_SHAPE and the tokenizer's vocabulary, or `shape`
+    (the same keys, vocab_size, and any other key of the family's config)."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+    shape = {"vocab_size": len(tokenizer), **TINY_SHAPE, **shape}
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # no pad_token_id
+    if family == "bert":
+        return BertConfig(pad_token_id=tokenizer.pad_token_id, **shape)
+    if family == "gpt2":
+        return GPT2Config(vocab_size=shape["vocab_size"], n_embd=shape["hidden_size"],
+                          n_layer=shape["num_hidden_layers"], n_head=shape["num_attention_heads"],
+                          n_inner=shape["intermediate_size"],
+                          n_positions=shape["max_position_embeddings"], **special)
+    config_class = LlamaConfig if family == "llama" else Qwen2Config
+    shape.setdefault("num_key_value_heads", 1)  # grouped-query attention, as both families use
+    return config_class(**shape, **special)
+
+
+def save_family_model(family: str, texts: list[str], folder, **shape):
+    """A pretrained `family` model as a hub repo holds it: the language-model head (what Llama, Qwen2 and
+    GPT-2 checkpoints ship; BERT's masked-LM head), the config, the tokenizer. Random weights, seed 0."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    tokenizer = family_tokenizer(family, texts, folder)
+    config = family_config(family, tokenizer, **shape)
+    torch.manual_seed(0)
+    model_class = AutoModelForMaskedLM if family == "bert" else AutoModelForCausalLM
+    model_class.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory, reviews_csv):
+    """`family_model(family)`: the folder of a tiny pretrained model of that family (FAMILIES), made once per
+    session and shared by every test that asks for it."""
+    texts = [row["review"] for row in read_csv(reviews_csv)]
+    folders = {}
+
+    def get(family):
+        if family not in folders:
+            folders[family] = save_family_model(family, texts, tmp_path_factory.mktemp(family))
+        return folders[family]
+
+    return get
+
+
+# --- pipeline() on an exported folder, as a user runs it -------------------------------------------------
+
+PROBE_TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣", "还行",
+               "Great value, would buy again.", "物流快 👍"]
+
+
+def pipeline_predictions(folder, texts=PROBE_TEXTS) -> list[dict]:
+    """`pipeline("text-classification", model=folder)` in a fresh process started in another directory."""
+    code = ("import json, sys; from transformers import pipeline; "
+            "print(json.dumps(pipeline('text-classification', model=sys.argv[1])(json.loads(sys.argv[2]))))")
+    result = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(texts)], cwd="/", capture_output=True,
+                            text=True, env={**os.environ, **OFFLINE}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_pipeline_predicts_like_the_trained_model(folder):
+    """The folder, loaded by `pipeline` from another directory, gives each text the label and probability
+    that the trained model (as predict and report load it) gives."""
+    from textclf.loading import load_trained
+    from textclf.predict import predict_logits
+
+    model, tokenizer = load_trained(str(folder))
+    probabilities = predict_logits(model, tokenizer, PROBE_TEXTS).softmax(dim=-1)
+    expected = [(model.config.id2label[int(p.argmax())], float(p.max())) for p in probabilities]
+    got = [(row["label"], row["score"]) for row in pipeline_predictions(folder)]
+    assert [label for label, _ in got] == [label for label, _ in expected]
+    assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-5)
+
+
+@contextmanager
+def moved_away(folder, to):
+    """`folder` moved to `to` meanwhile (and back after, for the module's other tests)."""
+    os.rename(folder, to)
+    try:
+        yield to
+    finally:
+        os.rename(to, folder)
+
+
+@pytest.fixture(scope="session")
+def four_step_run(tmp_path_factory, reviews_csv, cache_dir) -> Path:
+    """One process, 4 optimizer steps of TINY on reviews_csv, checkpoints step_2/ and step_4/: the
+    uninterrupted run that resumes are held against, and a source of checkpoints to damage (copy them:
+    several tests share it)."""
+    out = tmp_path_factory.mktemp("four_steps")
+    run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
+               "--output_dir", out])
+    return out

@@ -38,15 +38,20 @@ events = []
 state = {"interval": 0}
 
 
+def is_ours(path: str) -> bool:
+    """A file of this repository, not of a virtual environment kept inside it (.venv)."""
+    return path.startswith(str(REPO)) and "site-packages" not in path
+
+
 def site() -> dict:
     """Where the call was made (the first frame outside torch's forwarding and this file), and the
     innermost frame of this repository on the way there (what of ours led to it)."""
     frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.endswith(PASS_THROUGH)]
-    ours = [f for f in frames if f.filename.startswith(str(REPO)) and not f.filename.endswith(PASS_THROUGH)]
+    ours = [f for f in frames if is_ours(f.filename)]
 
     def name(frame):
         path = frame.filename
-        path = os.path.relpath(path, REPO) if path.startswith(str(REPO)) else path.split("site-packages/")[-1]
+        path = os.path.relpath(path, REPO) if is_ours(path) else path.split("site-packages" + os.sep)[-1]
         return f"{path}:{frame.lineno} ({frame.name})"
 
     return {"site": name(frames[-1]) if frames else "?", "via": name(ours[-1]) if ours else None}

@@ -30,9 +30,15 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
+# Where the check looks for a scratch model's learnt tokenizer unless a test names a --cache_dir: nowhere, as
+# on a machine where nothing ran yet, so that the check reads no data.
+NO_CACHE = ["--cache_dir", "/nonexistent/textclf-cache"]
+
+
 def run_check(capsys, *argv):
     """(exit status, stdout, stderr) of `python -m textclf.check argv`, run in this process."""
-    status = check.main([str(a) for a in argv])
+    argv = [str(a) for a in argv]
+    status = check.main(argv if "--cache_dir" in argv else argv + NO_CACHE)
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -151,8 +157,8 @@ def test_memory_estimate_follows_the_zero_paper():
     assert model_state_bytes(params, 1000, world=1, stage=0, sixteen_bit=False)["optimizer states"] == 8000
 
 
-def test_parameter_count_is_the_model_train_py_builds_and_lora_trains_a_fraction():
-    cfg = parse_config(["--model", "scratch-tiny"])
+def test_before_any_run_a_scratch_model_s_count_is_an_upper_bound_at_the_vocabulary_cap():
+    cfg = parse_config(["--model", "scratch-tiny", *NO_CACHE])
     total, trainable = check.count_parameters(cfg)
     assert total == trainable
     # scratch-tiny: 2 layers, hidden 128, intermediate 512, vocabulary 8000, 512 positions, 2 labels.
@@ -160,8 +166,70 @@ def test_parameter_count_is_the_model_train_py_builds_and_lora_trains_a_fraction
     layer = 4 * (128 * 128 + 128) + 2 * 128 + (128 * 512 + 512) + (512 * 128 + 128) + 2 * 128
     head = (128 * 128 + 128) + (128 * 2 + 2)
     assert total == embeddings + 2 * layer + head
-    lora_total, lora_trainable = check.count_parameters(parse_config(["--model", "scratch-tiny", "--lora"]))
-    assert lora_total > total and lora_trainable < total / 10
+    assert "an upper bound: the vocabulary at its cap of 8,000 tokens" in check.planned_model(cfg)[1]
+
+
+@pytest.fixture(scope="module")
+def learnt_job(reviews_csv, tmp_path_factory):
+    """What train.py builds for scratch-tiny with LoRA on the reviews (it learns and caches their tokenizer)."""
+    from textclf.job import build_job
+
+    cache = tmp_path_factory.mktemp("tokenizer_cache")
+    args = ["--model", "scratch-tiny", "--data", str(reviews_csv), "--cache_dir", str(cache), "--max_length", "32"]
+    return args, build_job(parse_config([*args, "--lora"]))
+
+
+def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary(capsys, learnt_job):
+    from textclf.modeling import parameter_counts
+
+    args, job = learnt_job
+    expected = parameter_counts(job.model)
+    assert check.count_parameters(parse_config([*args, "--lora"])) == (expected["params"], expected["trainable"])
+    status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", *args, "--lora")
+    assert status == 0
+    shown = report(out)["model"]
+    assert f"{expected['params'] / 1e6:.2f}M parameters, {expected['trainable'] / 1e6:.2f}M trainable" in shown
+    assert f"({expected['trainable'] / expected['params']:.2%}, LoRA)" in shown
+    assert f"the vocabulary of {len(job.tokenizer):,} tokens learnt from this data (cached)" in shown
+    assert len(job.tokenizer) < 8000
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_pretrained_model_s_count_is_the_model_train_py_builds(family_model, reviews_csv, tmp_path, lora):
+    from textclf.job import build_job
+    from textclf.modeling import parameter_counts
+
+    args = ["--model", str(family_model("llama")), "--data", str(reviews_csv), "--cache_dir", str(tmp_path),
+            "--max_length", "32", *(["--lora"] if lora else [])]
+    built = parameter_counts(build_job(parse_config(args)).model)
+    assert check.count_parameters(parse_config(args)) == (built["params"], built["trainable"])
+    assert (built["trainable"] < built["params"]) == lora
+
+
+def test_fsdp_wraps_the_model_s_own_layer_class_whatever_its_family(capsys, family_model):
+    assert "fsdp_transformer_layer_cls_to_wrap" not in yaml.safe_load(
+        (REPO / "accelerate_configs" / "fsdp.yaml").read_text())["fsdp_config"]
+    for model, layer in (("scratch-tiny", "BertLayer"), (family_model("llama"), "LlamaDecoderLayer"),
+                         (family_model("gpt2"), "GPT2Block")):
+        status, out, err = run_check(capsys, "--config_file", "accelerate_configs/fsdp.yaml", "--target", "cuda",
+                                     "--model", model, "--max_length", 32)
+        assert status == 0, err
+        assert layer in report(out)["fsdp wraps"] and "the model's own layer class" in report(out)["fsdp wraps"]
+
+
+def test_an_fsdp_yaml_naming_a_class_the_model_does_not_have_is_a_conflict(capsys, tmp_path, family_model):
+    llama_model = family_model("llama")
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
+    config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "BertLayer"
+    variant = write_yaml(tmp_path / "fsdp_bert.yaml", "fsdp.yaml", fsdp_config=config["fsdp_config"])
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda", "--model", llama_model,
+                               "--max_length", 32)
+    assert status == 1
+    [line] = conflicts(err)
+    assert str(variant) in line and "BertLayer" in line and "LlamaDecoderLayer" in line
+    status, out, err = run_check(capsys, "--config_file", variant, "--target", "cuda", "--model", "scratch-tiny")
+    assert status == 0, err
+    assert report(out)["fsdp wraps"] == f"BertLayer (named in {variant})"
 
 
 # --- conflicts: each variant below is one mistake, and the check names both places ---
@@ -379,3 +447,48 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
     assert report(default.stdout)["processes"] == shown["processes"]
     assert report(default.stdout)["strategy"] == shown["strategy"]
     assert report(default.stdout)["accelerate config"] == str(config)
+
+
+def test_the_peak_per_rank_adds_what_each_framework_holds_beyond_the_model_states():
+    from textclf.theory import framework_buffer_bytes
+
+    params = 1_000_000
+    ddp = framework_buffer_bytes(params, params, world=2, stage=0, layout="fp32", strategy="ddp")
+    assert ddp == {"DDP gradient buckets": 4e6}
+    zero2 = framework_buffer_bytes(params, params, world=2, stage=2, layout="fp32", strategy="deepspeed")
+    assert zero2 == {"fp32 copy of the weight partition": 2e6, "fp32 gradient of the partition": 2e6}
+    # ZeRO-3 keeps gathered weights up to stage3_max_live_parameters; 16-bit training has its fp32 copy in the states.
+    zero3 = framework_buffer_bytes(params, params, world=2, stage=3, layout="16-bit", strategy="deepspeed",
+                                   live_parameters=400_000)
+    assert zero3 == {"fp32 gradient of the partition": 2e6, "gathered weights": 0.8e6}
+    assert framework_buffer_bytes(params, params, world=1, stage=0, layout="fp32", strategy="NO") == {}
+
+
+def peak_line(out: str) -> tuple[float, str]:
+    lines = out.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.startswith("peak per rank"))
+    return float(lines[index].split()[3]), lines[index + 1]
+
+
+def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
+    status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/zero3_offload.yaml", "--target", "cpu",
+                               "--model", "scratch-base")
+    assert status == 0
+    on_cpu, parts = peak_line(out)
+    assert "gathered weights" in parts and "the process" in parts and "fp32 gradient of the partition" in parts
+    # On GPUs the offloaded states and the optimizer's fp32 buffers leave the device, and the process is not counted.
+    status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/zero3_offload.yaml", "--target", "cuda",
+                               "--model", "scratch-base", "--mixed_precision", "bf16")
+    on_gpu, parts = peak_line(out)
+    assert on_gpu < on_cpu and "the process" not in parts and "fp32 gradient" not in parts
+    # A json that keeps fewer parameters live gathers fewer.
+    variant = write_deepspeed_variant(tmp_path, "zero3",
+                                      lambda ds: ds["zero_optimization"].update(stage3_max_live_parameters=1000))
+    status, out, _ = run_check(capsys, "--config_file", variant, "--target", "cpu", "--model", "scratch-base")
+    assert status == 0 and peak_line(out)[0] < on_cpu
+    # Checkpointing keeps fewer activations.
+    plain, _ = peak_line(run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--model",
+                                   "scratch-base")[1])
+    checkpointed, parts = peak_line(run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--model",
+                                              "scratch-base", "--gradient_checkpointing")[1])
+    assert checkpointed < plain and "checkpointed" in parts and "DDP gradient buckets" in parts

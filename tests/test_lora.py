@@ -13,7 +13,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import REPO, TINY, losses, run_module, run_train
+from conftest import (REPO, TINY, assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module,
+                      run_train)
 from textclf.loading import checkpoint_weights
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
@@ -42,9 +43,10 @@ def lora_run(tmp_path_factory, lora_args):
 
 
 def adapter_model(folder):
-    """The exported adapter, loaded the way peft documents it: base model, then the adapter on top."""
-    base = AutoModelForSequenceClassification.from_pretrained(folder / "base")
-    return PeftModel.from_pretrained(base, folder).eval()
+    """The exported folder as transformers loads it: the base model in it, and the adapter beside it on top."""
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert model.active_adapters() == ["default"]
+    return model
 
 
 def logits(model, folder, texts=TEXTS):
@@ -107,7 +109,17 @@ def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tm
     run_train([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
               config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert losses(resumed)[2] == losses(out)[2]
-    for name in ("adapter_model.safetensors", "base/model.safetensors"):
+    for name in ("adapter_model.safetensors", "model.safetensors"):
         uninterrupted, continued = load_file(out / "model" / name), load_file(resumed / "model" / name)
         assert uninterrupted.keys() == continued.keys()
         assert all(torch.equal(uninterrupted[key], continued[key]) for key in uninterrupted), name
+
+
+@pytest.mark.slow
+def test_the_adapter_folder_and_its_merge_load_in_a_pipeline_from_anywhere(lora_run, tmp_path):
+    """An encoder's LoRA folder (a scratch base: nowhere else to load it from) in `pipeline`, from another
+    directory after the folder has moved, and its merge: both predict what the trained model predicts."""
+    with moved_away(lora_run("zero3") / "model", tmp_path / "moved") as moved:
+        assert_pipeline_predicts_like_the_trained_model(moved)
+        run_module("textclf.export", [moved, tmp_path / "merged", "--merge"])
+    assert_pipeline_predicts_like_the_trained_model(tmp_path / "merged")

@@ -1,6 +1,7 @@
 """Exact resume: a resumed run reproduces the uninterrupted one bit for bit, however it was stopped.
 
-Losses are compared from log.jsonl (`--logging_steps 1`), weights from the exported safetensors.
+Losses are compared from log.jsonl at every logged step (`--logging_steps` 1 and 5: a checkpoint
+between two log lines carries the loss window), weights from the exported safetensors.
 """
 
 import json
@@ -43,11 +44,14 @@ def args(reviews_csv, cache_dir):
 
 
 @pytest.mark.slow
-def test_one_process_resume_is_bitwise_exact(tmp_path, args):
-    run = [*args, "--max_steps", 40, "--save_steps", 10]
+@pytest.mark.parametrize("logging_steps", [1, 5])
+def test_one_process_resume_is_bitwise_exact(tmp_path, args, logging_steps):
+    run = [*args, "--max_steps", 30, "--save_steps", 7, "--logging_steps", logging_steps]
     run_train([*run, "--output_dir", tmp_path / "full"])
-    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_20"])
-    assert_same_run(tmp_path / "full", tmp_path / "resumed", 20)
+    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_14"])
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", 14)
+    window = json.loads((tmp_path / "full" / "step_14" / "position.json").read_text())["loss_window"]
+    assert [w["losses"] for w in window] == [14 % logging_steps]  # micro-batches since the last log line
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +59,12 @@ def two_process_ga3(tmp_path_factory, args):
     """2 processes, GA 3: 14 micro-batches per process and epoch, so 5 optimizer steps per epoch.
 
     Checkpoints at every step give both an epoch boundary (step 5) and mid-epoch points; the eval
-    set (24) is not a multiple of its batch (7), and an evaluation (every 3 steps) precedes some.
+    set (24) is not a multiple of its batch (7), and an evaluation (every 3 steps) precedes some. A
+    log line every 5 steps: the checkpoints at steps 6 and 7 fall between two.
     """
     out = tmp_path_factory.mktemp("ga3")
     run = [*args, "--gradient_accumulation_steps", 3, "--max_steps", 12, "--eval_steps", 3,
-           "--per_device_eval_batch_size", 7]
+           "--per_device_eval_batch_size", 7, "--logging_steps", 5]
     run_train([*run, "--save_steps", 1, "--output_dir", out], config_file=CPU_YAML)
     return out, run
 
@@ -88,7 +93,7 @@ def test_length_grouping_off_resumes_exactly_too(tmp_path, args):
 def wait_for(condition, process, timeout=300, poll=0.002):
     deadline = time.time() + timeout
     while not condition():
-        assert process.poll() is None, "training ended before the moment to stop it"
+        assert process is None or process.poll() is None, "training ended before the moment to stop it"
         assert time.time() < deadline, "timed out waiting for the moment to stop training"
         time.sleep(poll)
 
@@ -117,8 +122,13 @@ def saving(out):
 
 
 def kill(process):
+    """SIGKILL to the launcher's group, which does not hold the ranks (torchrun starts each in a session of
+    its own): they die with their launcher all the same (runtime.die_with_launcher), or they would train
+    on into the folder that the next run resumes from."""
+    ranks = psutil.Process(process.pid).children(recursive=True)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    wait_for(lambda: not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], None, 120)
 
 
 @pytest.mark.slow
@@ -140,6 +150,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp
     full, run = kill_run
     out = tmp_path / "killed"
     process = start(run, out)
+    wait_for(first_checkpoint_exists(out), process)  # a kill inside the first save would leave none
     for attempt in range(5):  # a save takes milliseconds: a kill may land just after one; try again
         wait_for(saving(out), process)
         kill(process)
@@ -206,10 +217,8 @@ def test_latest_never_picks_an_incomplete_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def checkpoint_run(tmp_path_factory, args):
-    out = tmp_path_factory.mktemp("source")
-    run_train([*args, "--max_steps", 4, "--save_steps", 2, "--output_dir", out])
-    return out
+def checkpoint_run(four_step_run):
+    return four_step_run
 
 
 def corrupt_copy(source, target, edit):
@@ -218,9 +227,14 @@ def corrupt_copy(source, target, edit):
     return target
 
 
-def truncate_optimizer(folder):
-    path = folder / "optimizer.bin"
-    path.write_bytes(path.read_bytes()[:100])
+def truncate(name):
+    def edit(folder):
+        (folder / name).write_bytes((folder / name).read_bytes()[:100])
+    return edit
+
+
+def delete(name):
+    return lambda folder: (folder / name).unlink()
 
 
 def set_position(**changes):
@@ -230,11 +244,43 @@ def set_position(**changes):
     return edit
 
 
+def record_files(folder):
+    """Make position.json's list of files agree with what is there, as someone editing the checkpoint would."""
+    from textclf.checkpoint import manifest
+
+    set_position(files=manifest(str(folder)))(folder)
+
+
+def unreadable_rng_state(folder):
+    (folder / "random_states_0.pkl").write_bytes(b"not a pickle at all")
+    record_files(folder)
+
+
 BAD_RESUMES = {
     "path that does not exist": (lambda src, tmp: tmp / "nowhere", [], "checkpoint not found"),
     "folder that is not a checkpoint": (lambda src, tmp: tmp, [], "is not a complete checkpoint"),
-    "truncated file": (lambda src, tmp: corrupt_copy(src, tmp / "c", truncate_optimizer), [],
-                       "cannot load checkpoint"),
+    "truncated optimizer": (lambda src, tmp: corrupt_copy(src, tmp / "c", truncate("optimizer.bin")), [],
+                            "optimizer.bin has 100 bytes, "),
+    "missing RNG state": (lambda src, tmp: corrupt_copy(src, tmp / "c", delete("random_states_0.pkl")), [],
+                          "random_states_0.pkl is missing"),
+    "truncated RNG state": (lambda src, tmp: corrupt_copy(src, tmp / "c", truncate("random_states_0.pkl")), [],
+                            "random_states_0.pkl has 100 bytes"),
+    # Rank 0's RNG state of the run's next checkpoint: the same size, another state.
+    "foreign RNG state": (lambda src, tmp: corrupt_copy(src, tmp / "c", lambda folder: shutil.copy(
+        src.parent / "step_4" / "random_states_0.pkl", folder)), [],
+        "random_states_0.pkl is not the file that was saved (its sha256 differs)"),
+    "RNG state that does not load": (lambda src, tmp: corrupt_copy(src, tmp / "c", unreadable_rng_state), [],
+                                     "random_states_0.pkl does not load as rank 0's RNG state"),
+    "missing scheduler state": (lambda src, tmp: corrupt_copy(src, tmp / "c", delete("scheduler.bin")), [],
+                                "scheduler.bin is missing"),
+    "files not recorded": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(files=None)), [],
+                           "lists no files to check it against"),
+    "RNG state left out of the record": (
+        lambda src, tmp: corrupt_copy(src, tmp / "c", lambda f: (delete("random_states_0.pkl")(f), record_files(f))),
+        [], "random_states_0.pkl is not among the files it recorded"),
+    "string step": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(step="2")), [],
+                    'position.json: step is "2", expected a whole number >= 0'),
+    "step past the end": (lambda src, tmp: src, ["--max_steps", "1"], "step is 2, past the end of this run at step 1"),
     "another model": (lambda src, tmp: src, ["--model", "scratch-mini"], "made with model = scratch-tiny"),
     "other data": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(data_fingerprint="0" * 16)), [],
                    "made with training data = 0000000000000000"),
@@ -292,6 +338,13 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, args, checkpoint_r
     for name in ("random_states_0.pkl", "optimizer.bin"):
         with open(checkpoint / name, "wb") as f:
             pickle.dump(RunsCode(str(marker)), f)
+    record_files(checkpoint)  # as an attacker would: what is refused then is the unpickling itself
+    result = run_train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
+                       check=False)
+    assert result.returncode == 2 and "random_states_0.pkl does not load as rank 0's RNG state" in result.stderr
+    assert not marker.exists()
+    (checkpoint / "random_states_0.pkl").write_bytes((checkpoint_run / "step_2" / "random_states_0.pkl").read_bytes())
+    record_files(checkpoint)
     result = run_train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
                        check=False)
     assert result.returncode == 2 and "cannot load checkpoint" in result.stderr
@@ -311,6 +364,16 @@ def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_fi
     run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_6",
                "--allow_pickle"], config_file=config)
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 6)
+    # DeepSpeed's own layout is checked too: each rank's optimizer partition, under the tag folder.
+    damaged = shutil.copytree(tmp_path / "full" / "step_6", tmp_path / "damaged")
+    partition = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (damaged / partition).unlink()
+    refused = run_train([*run, "--output_dir", tmp_path / "refused", "--resume", damaged, "--allow_pickle"],
+                        config_file=config, check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot resume from {damaged}: {partition} is missing; resume from another checkpoint "
+                      "(--resume <output_dir>/step_<N>)"], refused.stderr[-3000:]
+    assert not (tmp_path / "refused").exists()
 
 
 def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):

@@ -15,6 +15,7 @@ conflict, each naming both places; 2 with one `error:` line for input it cannot 
 """
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -27,10 +28,13 @@ import torch
 
 from .config import TrainConfig, parse_config
 from .errors import InputError
-from .modeling import SCRATCH_VOCAB_SIZE, apply_lora, parameter_counts, scratch_config, scratch_size
+from .job import load_data
+from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, layer_classes, model_config, parameter_counts, scratch_config,
+                       scratch_size, scratch_tokenizer_folder)
 from .runtime import COMPILE_REFUSED, zero_offload
 from .task import Task
-from .theory import BYTES_PER_PARAM, OFFLOADED_BY, SHARDED_FROM_STAGE, model_state_bytes
+from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
+                     framework_buffer_bytes, model_state_bytes)
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -113,6 +117,8 @@ def read_launch(args: argparse.Namespace) -> dict:
             "deepspeed_config_file": getattr(launch_args, "deepspeed_config_file", None),
             "fsdp_sharding_strategy": getattr(launch_args, "fsdp_sharding_strategy", None),
             "fsdp_offload_params": str(getattr(launch_args, "fsdp_offload_params", "false")).lower() == "true",
+            "fsdp_auto_wrap_policy": getattr(launch_args, "fsdp_auto_wrap_policy", None),
+            "fsdp_transformer_layer_cls_to_wrap": getattr(launch_args, "fsdp_transformer_layer_cls_to_wrap", None),
             "use_cpu": bool(getattr(launch_args, "use_cpu", False)), "main_process_ip": launch_args.main_process_ip,
             "dynamo_backend": str(launch_args.dynamo_backend or "no").upper()}
 
@@ -216,7 +222,7 @@ def check_deepspeed_values(ds: dict, ds_place: str, cfg: TrainConfig, world: int
         if value != "auto" and value != expected:
             conflicts.append(f"{key}: {ds_place} hard-codes {value}, the training config has {expected} ({flag}); "
                              'set it to "auto" so that the training config decides')
-    for block, made_by in (("optimizer", "AdamW"), ("scheduler", "a linear warmup/decay schedule")):
+    for block, made_by in (("optimizer", "AdamW"), ("scheduler", f"the {cfg.lr_scheduler_type} schedule")):
         if block in ds:
             conflicts.append(f'{ds_place} has a "{block}" block, but train.py builds {made_by} from the training '
                              "config: accelerate refuses both; remove the block")
@@ -289,27 +295,74 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
-    """(all, trainable) parameters of the model train.py would build, built on the meta device: no weights."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def planned_model(cfg: TrainConfig):
+    """(model, vocabulary note): the model train.py would build, on the meta device (no weight allocated
+    or read), with LoRA's adapters when cfg.lora, and where its vocabulary size comes from."""
+    from transformers import AutoModelForSequenceClassification
 
     size = scratch_size(cfg.model)
-    # The task's fewest labels (the data is not read): the head is hidden_size x labels, a rounding error
-    # next to the body.
+    # The task's fewest labels (the data is not read for them): the head is hidden_size x labels, a rounding
+    # error next to the body.
     num_labels = Task.from_config(cfg).fewest_labels
-    if size:  # build_model's scratch BERT, with the vocabulary at its cap (the learnt one is at most this)
-        config = scratch_config(size, SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=num_labels)
+    if size:
+        learnt = learnt_vocabulary(cfg)
+        config = scratch_config(size, learnt or SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=num_labels)
+        vocabulary = (f"the vocabulary of {learnt:,} tokens learnt from this data (cached)" if learnt else
+                      f"an upper bound: the vocabulary at its cap of {SCRATCH_VOCAB_SIZE:,} tokens, until the first "
+                      "run learns one from the data (at most that large)")
     else:
-        try:
-            config = AutoConfig.from_pretrained(cfg.model, num_labels=num_labels)
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read the config of model '{cfg.model}': {str(e).splitlines()[0]}") from None
+        config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)
+        config.num_labels = num_labels
+        vocabulary = f"its vocabulary of {config.vocab_size:,} tokens" if hasattr(config, "vocab_size") else ""
     with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config)
+        model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
         if cfg.lora:
             model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-    counts = parameter_counts(model)
+    return model, vocabulary
+
+
+def learnt_vocabulary(cfg: TrainConfig) -> Optional[int]:
+    """The size of the vocabulary a run of a scratch model learnt from this data, if its tokenizer is in the
+    cache; None before the first run (or when the data cannot be read: the launch will say why)."""
+    from transformers import AutoTokenizer
+
+    if not glob.glob(scratch_tokenizer_folder(cfg.cache_dir, "*")):
+        return None  # nothing learnt here yet: no need to read the data
+    try:
+        data_fingerprint = load_data(cfg)[3]
+    except InputError:
+        return None
+    folder = scratch_tokenizer_folder(cfg.cache_dir, data_fingerprint)
+    return len(AutoTokenizer.from_pretrained(folder)) if os.path.isdir(folder) else None
+
+
+def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
+    """(all, trainable) parameters of the model train.py would build."""
+    counts = parameter_counts(planned_model(cfg)[0])
     return counts["params"], counts["trainable"]
+
+
+def check_fsdp_wrap(launch: dict, model, model_name: str, conflicts: list[str], warnings: list[str]) -> Optional[str]:
+    """The layer classes FSDP will wrap one by one: those the yaml names, which the model must have, or the
+    model's own (modeling.layer_classes, which build_model hands to accelerate)."""
+    if (launch["fsdp_auto_wrap_policy"] or "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+        return None
+    named = launch["fsdp_transformer_layer_cls_to_wrap"]
+    own = layer_classes(model)
+    if not named:
+        if not own:
+            warnings.append(f"{launch['path']}: {model_name} declares no layer class (_no_split_modules) and "
+                            "transformers marks none: FSDP would shard it as one unit; name its layer class in "
+                            "fsdp_transformer_layer_cls_to_wrap")
+        return f"{', '.join(own) or 'nothing'} (the model's own layer class{'es' if len(own) > 1 else ''})"
+    names = [name.strip() for name in str(named).split(",")]
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in names if name not in present]
+    if missing:
+        conflicts.append(f"{launch['path']} names fsdp_transformer_layer_cls_to_wrap {', '.join(missing)}, which "
+                         f"{model_name} does not have (its layers: {', '.join(own) or 'none declared'}); remove the "
+                         "key so that FSDP wraps the model's own layer class")
+    return f"{', '.join(names)} (named in {launch['path']})"
 
 
 def plural(n: int, noun: str) -> str:
@@ -331,7 +384,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     check_topology(launch, conflicts)
     precision, source = launch["mixed_precision"], launch["precision_source"]
 
-    stage, offload, ds_place = 0, {}, None
+    stage, offload, ds_place, zero = 0, {}, None, {}
     if kind == "DEEPSPEED":
         ds, ds_place = read_deepspeed(launch, conflicts)
         if ds is not None:
@@ -350,6 +403,8 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         if launch["fsdp_offload_params"]:
             offload = {"weights": "cpu", "gradients": "cpu", "optimizer states": "cpu"}
     check_machine(launch, precision, source, args.target, conflicts, warnings)
+    model, vocabulary = planned_model(cfg)
+    fsdp_wrap = check_fsdp_wrap(launch, model, cfg.model, conflicts, warnings) if kind == "FSDP" else None
 
     strategy = {"NO": "one process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP", "FSDP": "FSDP, fully sharded",
                 "DEEPSPEED": f"DeepSpeed ZeRO-{stage}"}.get(kind, kind)
@@ -358,11 +413,18 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     else:
         devices = "CUDA GPUs, NCCL" if has_cuda(args.target) else "the CPU, gloo (train.py's choice without CUDA)"
     accumulation, micro = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size
-    params, trainable = count_parameters(cfg)
+    counts = parameter_counts(model)
+    params, trainable = counts["params"], counts["trainable"]
     sixteen_bit = kind == "DEEPSPEED" and precision != "no"  # torch autocast keeps fp32 weights and states
-    memory = model_state_bytes(params, trainable, world=max(world, 1), stage=stage, sixteen_bit=sixteen_bit)
+    loaded = cfg.torch_dtype if cfg.torch_dtype != "auto" else str(getattr(model.config, "dtype", None) or "float32")
+    layout = ("16-bit" if sixteen_bit else
+              "16-bit weights" if loaded.removeprefix("torch.") in ("bfloat16", "float16") else "fp32")
+    memory = model_state_bytes(params, trainable, world=max(world, 1), stage=stage, layout=layout)
     sharded = [part for part in memory if stage >= SHARDED_FROM_STAGE[part]]
     offloaded = [part for part, device in offload.items() if device != "none"]
+    peak = predicted_peak(cfg, model.config, memory, offloaded, kind=kind, world=max(world, 1), stage=stage, zero=zero,
+                          layout=layout, precision=precision, params=params, trainable=trainable,
+                          on_gpu=has_cuda(args.target))
     report = [
         ("accelerate config", launch["path"] or "none: one process, as `python train.py`"),
         ("deepspeed config", ds_place or "-"),
@@ -376,15 +438,48 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
                  if kind == "DEEPSPEED" else "-"),
         ("batch", f"micro {micro} x accumulation {accumulation} x {plural(world, 'process')} "
                   f"= global {micro * accumulation * world}"),
-        ("model", f"{cfg.model}: {params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"),
+        ("model", f"{cfg.model}: {params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"
+                  + (f" ({trainable / params:.2%}, LoRA)" if cfg.lora else "")
+                  + (f"; {vocabulary}" if vocabulary else "")),
+        *([("fsdp wraps", fsdp_wrap)] if fsdp_wrap else []),
         ("memory per rank", f"{human(sum(memory.values()))}: "
                             + ", ".join(f"{part} {human(n)}" + (" (CPU)" if part in offloaded else "")
                                         for part, n in memory.items())),
-        ("", f"{'+'.join(map(str, BYTES_PER_PARAM['16-bit' if sixteen_bit else 'fp32']))} bytes per parameter "
-             f"(ZeRO paper); sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}; "
-             "activations not counted"),
+        ("", f"{'+'.join(map(str, BYTES_PER_PARAM[layout]))} bytes per parameter "
+             f"({'the weights in ' + loaded if layout == '16-bit weights' else 'ZeRO paper'}); "
+             f"sharded over {plural(world, 'rank')}: {', '.join(sharded) or 'nothing'}"),
+        *peak,
     ]
     return report, warnings, conflicts
+
+
+def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, kind: str, world: int, stage: int,
+                   zero: dict, layout: str, precision: str, params: int, trainable: int,
+                   on_gpu: bool) -> list[tuple[str, str]]:
+    """The report's lines for the peak memory one rank will hold: model states, what DDP or DeepSpeed add
+    (theory.framework_buffer_bytes), activations, and on a CPU the process itself."""
+    buffers = framework_buffer_bytes(
+        params, trainable, world=world, stage=stage, layout=layout,
+        strategy={"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "DEEPSPEED": "deepspeed"}.get(kind, kind),
+        live_parameters=zero.get("stage3_max_live_parameters", 1e9) if kind == "DEEPSPEED" else 0)
+    activations = activation_bytes(
+        layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+        micro_batch=cfg.per_device_train_batch_size, sequence=cfg.max_length,
+        bytes_per_value=2 if precision != "no" or layout != "fp32" else 4,
+        checkpointing=cfg.gradient_checkpointing)
+    # Offloaded states leave a GPU (the optimizer's fp32 buffers with its states); on a CPU they stay.
+    held = sum(n for part, n in states.items() if not (on_gpu and part in offloaded))
+    if on_gpu and "optimizer states" in offloaded:
+        buffers = {part: n for part, n in buffers.items() if not part.startswith("fp32 ")}
+    parts = {"model states": held, **buffers, "activations": activations}
+    if not on_gpu:
+        parts["the process"] = FRAMEWORK_BASELINE_BYTES
+    where = ("of GPU memory (the CUDA context and the allocator's cache not counted)" if on_gpu else
+             "of memory (resident, as measured on this CPU machine)")
+    return [("peak per rank", f"{sum(parts.values()) / 2 ** 30:.2f} GiB {where}"),
+            ("", " + ".join(f"{part} {human(n)}" for part, n in parts.items())
+                 + f"; activations at most: {cfg.per_device_train_batch_size} x {cfg.max_length} tokens"
+                 + (", checkpointed" if cfg.gradient_checkpointing else ""))]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,28 +1,52 @@
-"""Checkpoints: atomic `step_<N>/` folders that describe themselves, `latest`, rotation, resume checks.
+"""Checkpoints: atomic `step_<N>/` folders that describe themselves, `latest`, rotation, resume checks,
+and the output folder that one run at a time owns.
 
 A checkpoint is what `accelerator.save_state` writes plus `position.json`: the loop position
 (optimizer step, epoch, batches consumed in that epoch), what the run was made with (world size,
-gradient accumulation, micro batch, model, data fingerprint), its evaluation, and the resolved
-config. `position.json` is written last, inside a temporary folder that is then renamed, so a
-`step_<N>/` folder either is complete or does not exist.
+gradient accumulation, micro batch, model, data fingerprint), its evaluation, the resolved config,
+each rank's loss window (tracking.Window), and the list of its files with their sizes (and sha256
+for those up to HASHED_UP_TO). `position.json` is written last, inside a temporary folder that is
+then renamed, so a `step_<N>/` folder either is complete or does not exist; resume checks every
+file against the list before a step runs.
+
+Folders are deleted through a rename (`.deleting_<name>`), so a kill mid-way never leaves a half
+deleted folder that looks like a checkpoint. What a killed run leaves (`.incomplete_step_<N>`,
+`.deleting_*`) is removed when the next run claims the folder.
 """
 
+import fcntl
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import socket
+import sys
+import time
 from typing import Optional
 
 from accelerate import Accelerator
+from accelerate.utils import load
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
-from .errors import InputError
+from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
 
 POSITION = "position.json"
 # Where accelerate's save_state puts FSDP's sharded model state: a torch.distributed.checkpoint folder,
 # whose metadata file torch reads with full pickle.
 FSDP_SHARDED = f"{FSDP_MODEL_NAME}_0"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+INCOMPLETE = ".incomplete_"  # + step_<N>: a checkpoint being written
+DELETING = ".deleting_"  # + step_<N>: a checkpoint being deleted
+LOCK = ".lock"  # held (flock) by the main process of the run that owns the folder
+# Files up to this size are hashed when a checkpoint is completed and when it is resumed: every state
+# file but the weights and the optimizer's moments. Those are checked by size: measured on scratch-base
+# (1.04 GB), sha256 took 1.5-1.8 s against 0.7-4.5 s for save_state itself, and it grows with the model.
+HASHED_UP_TO = 16 * 2 ** 20
+# What a run stores of its loss window, per rank (tracking.Window.state).
+WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
+               "padded_tokens": (int,)}
 # What must match between a checkpoint and the run resuming it, and how to say it.
 IDENTITY = {
     "world_size": "number of processes",
@@ -33,6 +57,7 @@ IDENTITY = {
     "lora": "lora",
     "data_fingerprint": "training data",
 }
+_held_locks = []  # the open lock files of this process: closing one would release the folder
 
 
 def identity(cfg, run: dict, data_fingerprint: str) -> dict:
@@ -42,14 +67,17 @@ def identity(cfg, run: dict, data_fingerprint: str) -> dict:
     return {key: launch[key] if key in launch else getattr(cfg, key) for key in IDENTITY}
 
 
-def write_json(path: str, obj) -> None:
+def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
     """Write through a temporary file and a rename, so readers never see half a file."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_failed("write", path, e, advice) from None
 
 
 def read_position(checkpoint: str) -> dict:
@@ -61,9 +89,12 @@ def read_position(checkpoint: str) -> dict:
                          "(expected a step_<N>/ folder written by train.py)")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            position = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path} is unreadable: {e}") from None
+    if not isinstance(position, dict):
+        raise InputError(f"{path} is not a JSON object; resume from another checkpoint")
+    return position
 
 
 def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -81,6 +112,11 @@ def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     """The checkpoint to resume from, or None to start fresh; refuses to mix runs in one folder."""
+    refuse_if_in_use(output_dir)
+    return choose_checkpoint(resume, output_dir, overwrite)
+
+
+def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     existing = complete_checkpoints(output_dir)
     if resume == "latest":
         if not existing:
@@ -114,20 +150,276 @@ def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pick
                          "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
 
 
+def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_per_epoch: int,
+                   batches_per_epoch: int, gradient_accumulation_steps: int, world_size: int) -> None:
+    """The loop position must be one this run's schedule passes through: one line per violation.
+
+    Within an epoch the optimizer steps after every `gradient_accumulation_steps` batches and after the
+    epoch's last one, so a checkpoint taken after `batch_in_epoch` batches of epoch `epoch` is at step
+    epoch * steps_per_epoch + ceil(batch_in_epoch / gradient_accumulation_steps).
+    """
+    problems = []
+    for key in ("step", "epoch", "batch_in_epoch"):
+        value = position.get(key)
+        if type(value) is not int or value < 0:  # bool is an int to Python, not to a loop position
+            problems.append(f"{key} is {json.dumps(value)}, expected a whole number >= 0")
+    if not problems:
+        step, epoch, batch = position["step"], position["epoch"], position["batch_in_epoch"]
+        if step > total_steps:
+            problems.append(f"step is {step}, past the end of this run at step {total_steps} "
+                            "(--max_steps, or --num_train_epochs)")
+        if not 1 <= batch <= batches_per_epoch:
+            problems.append(f"batch_in_epoch is {batch}, outside this run's epoch of {batches_per_epoch} "
+                            "batches per process")
+        elif step != epoch * steps_per_epoch + math.ceil(batch / gradient_accumulation_steps):
+            problems.append(f"step {step} is not where epoch {epoch}, batch {batch} of this run's schedule "
+                            f"({steps_per_epoch} optimizer steps per epoch) is")
+    windows = position.get("loss_window")
+    if "loss_window" not in position:
+        problems.append("it has no loss_window (written by an older textclf)")
+    elif not (isinstance(windows, list) and len(windows) == world_size and all(
+            isinstance(w, dict) and all(type(w.get(key)) in types for key, types in WINDOW_KEYS.items())
+            for w in windows)):
+        problems.append(f"loss_window is not one loss window ({', '.join(WINDOW_KEYS)}) per process "
+                        f"({world_size})")
+    if problems:
+        raise InputError("\n".join(f"cannot resume from {checkpoint}: {POSITION}: {problem}; resume from another "
+                                   "checkpoint" for problem in problems))
+
+
+def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **schedule) -> None:
+    """Before any step runs (collective): the position is one this run's schedule passes through
+    (check_position), and every file is the one saved (verify_files, read by the main process alone)."""
+    check_position(checkpoint, position, world_size=accelerator.num_processes, **schedule)
+    checked_on_main_process(accelerator, lambda: verify_files(checkpoint, position))
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def manifest(folder: str) -> dict:
+    """Every file of a checkpoint folder but position.json: its size, and its sha256 up to HASHED_UP_TO."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative == POSITION:
+                continue
+            size = os.path.getsize(path)
+            files[relative] = {"size": size, **({"sha256": sha256(path)} if size <= HASHED_UP_TO else {})}
+    return dict(sorted(files.items()))
+
+
+def required_states(world_size: int, zero_stage: Optional[int]) -> list[tuple[str, str]]:
+    """What exact resume needs besides the loop position: (file, as a pattern where its name varies).
+
+    The sampler needs nothing more: its order follows from (seed, epoch), and the position says how
+    many of the epoch's batches were used. Accelerate skips an RNG file it cannot read with a log line
+    at info level; the others fail loudly when loaded, but are checked here all the same.
+    """
+    needed = [("scheduler.bin", r"scheduler\.bin")]
+    needed += [(f"random_states_{rank}.pkl", rf"random_states_{rank}\.pkl") for rank in range(world_size)]
+    if zero_stage is None:  # one process or DDP; FSDP's sharded optimizer is a folder
+        needed.append(("optimizer.bin", r"optimizer\.bin|optimizer_0/.+"))
+    else:  # DeepSpeed: one partition of the optimizer per rank, in the tag folder that `latest` names
+        needed += [(f"<tag>/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                    rf"[^/]+/(bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_optim_states\.pt") for rank in range(world_size)]
+    return needed
+
+
+def verify_files(checkpoint: str, position: dict) -> None:
+    """Every file exact resume needs is there and readable, and every file the checkpoint recorded when
+    it was completed is there with the same size (and sha256): one line per file that is not."""
+    files = position.get("files")
+    if not isinstance(files, dict) or not files or not all(isinstance(v, dict) for v in files.values()):
+        raise InputError(f"cannot resume from {checkpoint}: its {POSITION} lists no files to check it against "
+                         "(written by an older textclf, or edited); resume from a checkpoint this version wrote")
+    problems = [f"{name} is not among the files it recorded" for name, pattern in
+                required_states(position["world_size"], position["zero_stage"])
+                if not any(re.fullmatch(pattern, recorded) for recorded in files)]
+    for name, recorded in files.items():
+        path = os.path.join(checkpoint, name)
+        try:
+            size = os.path.getsize(path)
+            if size != recorded.get("size"):
+                problems.append(f"{name} has {size} bytes, {recorded.get('size')} when it was saved")
+            elif "sha256" in recorded and sha256(path) != recorded["sha256"]:
+                problems.append(f"{name} is not the file that was saved (its sha256 differs)")
+            else:
+                with open(path, "rb") as f:
+                    f.read(1)
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+        except OSError as e:
+            problems.append(f"{name} is unreadable ({e.strerror})")
+    for rank in range(position["world_size"]):  # what Accelerate would skip without a word
+        name = f"random_states_{rank}.pkl"
+        if name in files and not any(problem.startswith(name) for problem in problems):
+            try:
+                states = load(os.path.join(checkpoint, name))  # as Accelerate reads it: weights_only
+            except Exception as e:  # unpickling raises anything; all of it means "not an RNG state"
+                states = e
+            if not (isinstance(states, dict) and {"random_state", "numpy_random_seed", "torch_manual_seed"} <= states.keys()):
+                problems.append(f"{name} does not load as rank {rank}'s RNG state")
+    if problems:
+        raise InputError("\n".join(f"cannot resume from {checkpoint}: {problem}; resume from another checkpoint "
+                                   "(--resume <output_dir>/step_<N>)" for problem in problems))
+
+
+def refuse_if_in_use(output_dir: str) -> None:
+    """Stop early when another run holds output_dir (claim_output_dir is where a run takes it).
+
+    A shared lock for a moment: it conflicts with the owner's exclusive one, not with the other ranks'
+    probes of this same run.
+    """
+    path = os.path.join(output_dir, LOCK)
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise in_use(output_dir, f.read()) from None
+        except OSError:
+            return  # a file system without locks: claim_output_dir says so
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def in_use(output_dir: str, holder: str) -> InputError:
+    return InputError(f"{output_dir} is in use by another run ({holder.strip() or 'a process starting up'}); "
+                      "wait for it to end, or choose another --output_dir")
+
+
+def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional[str], overwrite: bool,
+                     resume_from: Optional[str]) -> None:
+    """Make output_dir this run's until it ends, before anything is written to it (collective).
+
+    The main process takes an OS lock (flock) on output_dir/.lock and keeps it for the run's life; the
+    kernel releases it when the process ends, however it ends, so a killed run leaves nothing to
+    clear by hand. Other ranks never take it (they would block their own run's main process). On
+    shared storage the lock holds across machines where the file system supports flock (NFSv4, and
+    Lustre mounted with -o flock). Under the lock the choice of checkpoint is made again (a run that
+    ended meanwhile may have written one), --overwrite_output_dir moves the previous run aside, and
+    what a killed run left is removed.
+    """
+    def claim():
+        if overwrite and resume_from and os.path.abspath(resume_from).startswith(
+                os.path.join(os.path.abspath(output_dir), "")):
+            raise InputError(f"--overwrite_output_dir moves the run in {output_dir} aside, --resume {resume} "
+                             "continues it: drop one of them")
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+        except OSError as e:
+            raise write_failed("create", output_dir, e,
+                               "choose another --output_dir, or make its parent writable") from None
+        lock_file = take_lock(output_dir)
+        if choose_checkpoint(resume, output_dir, overwrite) != resume_from:
+            raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "
+                             "start again to choose among them")
+        if overwrite and set(os.listdir(output_dir)) - {LOCK}:
+            aside = f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            try:
+                os.rename(output_dir, aside)  # the lock moves with it, still held, until the new one is taken
+            except OSError as e:
+                raise InputError(f"--overwrite_output_dir: cannot move the previous run in {output_dir} aside to "
+                                 f"{aside} ({e.strerror}); move or delete it yourself") from None
+            os.makedirs(output_dir)
+            take_lock(output_dir)
+            _held_locks.remove(lock_file)
+            lock_file.close()
+            print(f"--overwrite_output_dir: moved the previous run in {output_dir} aside to {aside} (delete it "
+                  "when you no longer need it)")
+        removed = remove_leftovers(output_dir)
+        if removed:
+            print(f"removed what an interrupted run left in {output_dir}: {', '.join(removed)}")
+
+    checked_on_main_process(accelerator, claim)
+
+
+def take_lock(output_dir: str):
+    """Lock output_dir for this process and write who holds it into the lock file."""
+    lock_file = open(os.path.join(output_dir, LOCK), "a+", encoding="utf-8")
+    # A few tries: another run's refuse_if_in_use holds a shared lock for a moment.
+    for attempt in range(20):
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt == 19:
+                lock_file.seek(0)
+                holder = lock_file.read()
+                lock_file.close()
+                raise in_use(output_dir, holder) from None
+            time.sleep(0.1)
+        except OSError as e:
+            print(f"warning: cannot lock {output_dir} ({e.strerror}): its file system has no file locks, so "
+                  "nothing stops a second run from writing into it", file=sys.stderr)
+            break
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S %z')}, {' '.join(sys.argv)[:200]}\n")
+    lock_file.flush()
+    _held_locks.append(lock_file)
+    return lock_file
+
+
+def remove_leftovers(output_dir: str) -> list[str]:
+    """Delete what runs killed while saving or deleting a checkpoint left; main process only."""
+    removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING)))
+    for name in removed:
+        shutil.rmtree(os.path.join(output_dir, name))
+    return removed
+
+
+def delete_folder(path: str) -> None:
+    """Delete a checkpoint folder through a rename first, so a kill mid-way never leaves a half-deleted
+    folder under a checkpoint's name."""
+    parent, name = os.path.split(os.path.normpath(path))
+    doomed = os.path.join(parent, DELETING + name)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:
-    """Collective: every rank calls it. Returns the checkpoint path."""
+    """Collective: every rank calls it. Returns the checkpoint path.
+
+    A failed write (a full disk, a quota) stops the run with one line that names the newest complete
+    checkpoint, which it leaves as it was. The rank that fails stops without another collective:
+    DeepSpeed's save may have left the others waiting in its own barrier, and the launcher stops them.
+    """
     final = os.path.join(output_dir, f"step_{position['step']}")
-    tmp = os.path.join(output_dir, f".incomplete_step_{position['step']}")
+    tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
+    previous = complete_checkpoints(output_dir)
+    advice = (f"free space (or choose another --output_dir), then continue with --resume latest (the newest complete "
+              f"checkpoint, {previous[-1][1]}, is untouched)" if previous else
+              "free space (or choose another --output_dir) and start again: no checkpoint was completed yet")
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    try:
+        accelerator.save_state(tmp)
+    except WRITE_ERRORS as e:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
+        raise write_failed("save checkpoint", final, e, advice) from None
     accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:
-        save_extra(tmp)
-        write_json(os.path.join(tmp, POSITION), position)
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        try:
+            save_extra(tmp)
+            write_json(os.path.join(tmp, POSITION), {**position, "files": manifest(tmp)}, advice)
+        except WRITE_ERRORS as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_failed("save checkpoint", final, e, advice) from None
+        except InputError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if os.path.exists(final):  # a re-run of a step: the new one replaces the old in one rename
+            delete_folder(final)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
@@ -148,5 +440,5 @@ def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],
         kept |= {path for _, path in found if os.path.abspath(path) == os.path.abspath(protect)}
     removed = [path for _, path in found if path not in kept]
     for path in removed:
-        shutil.rmtree(path)
+        delete_folder(path)
     return removed

@@ -24,6 +24,23 @@ from transformers import HfArgumentParser
 from .errors import InputError
 
 
+# Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task
+# with (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, appendix A.3:
+# 5e-5, 3e-5, 2e-5) and the full fine-tuning recipes of huggingface/alignment-handbook (zephyr-7b-beta
+# sft/config_full.yaml: 2e-5). LoRA of a pretrained model: ten times that, as the same recipes do
+# (sft/config_lora.yaml: 2e-4) and QLoRA (Dettmers et al. 2023) for 7B-13B models.
+DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
+# transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
+
+
+def default_learning_rate(model: str, lora: bool) -> float:
+    if model.startswith("scratch-"):
+        return DEFAULT_LEARNING_RATES["scratch models"]
+    return DEFAULT_LEARNING_RATES["LoRA of a pretrained model" if lora else "pretrained models"]
+
+
 @dataclass
 class TrainConfig:
     # --- model ---
@@ -32,6 +49,24 @@ class TrainConfig:
         metadata={"help": "Hub id or local folder for AutoModelForSequenceClassification, or "
                   "'scratch-<size>' (tiny, mini, small, medium, base) for a BERT built from config "
                   "with a tokenizer trained on the training texts: runs offline."},
+    )
+    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
+        default="float32",
+        metadata={"help": "The dtype the model's weights are loaded and kept in ('auto': the one the checkpoint was "
+                  "saved in). Not --mixed_precision (the launch's precision), which autocasts computations over "
+                  "the weights and, under DeepSpeed, keeps fp32 master weights: bfloat16 here halves the weights' "
+                  "memory, for a frozen LoRA base or under DeepSpeed; with plain full fine-tuning it trains "
+                  "entirely in bf16, Adam's states included."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Run the Python code a model folder or hub repo ships for its config, model or tokenizer "
+                  "(its auto_map). Without it such a model is refused; never prompted."},
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each layer's activations in the backward pass instead of keeping them: "
+                  "less activation memory for about a third more compute (non-reentrant, so it works with LoRA)."},
     )
 
     # --- data ---
@@ -105,9 +140,11 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(
         default=1, metadata={"help": "Micro-batches per optimizer step (global batch = micro x GA x processes)."}
     )
-    learning_rate: float = field(
-        default=1e-3, metadata={"help": "Peak learning rate of AdamW (the default suits the scratch model; "
-                                "use 2e-5 to 5e-5 to fine-tune a pretrained one)."}
+    learning_rate: Optional[float] = field(
+        default=None,
+        metadata={"help": "Peak learning rate of AdamW; default by model kind: "
+                  + ", ".join(f"{rate:g} for {kind}" for kind, rate in DEFAULT_LEARNING_RATES.items())
+                  + " (the resolved value is printed and saved in run.json)."},
     )
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and norms)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
@@ -119,7 +156,12 @@ class TrainConfig:
         default=None, metadata={"help": "Optimizer steps to train; overrides num_train_epochs."}
     )
     warmup_ratio: float = field(
-        default=0.1, metadata={"help": "Fraction of steps of linear warmup before linear decay to 0."}
+        default=0.1, metadata={"help": "Fraction of steps of linear warmup before the schedule's decay."}
+    )
+    lr_scheduler_type: Literal[LR_SCHEDULERS] = field(
+        default="linear",
+        metadata={"help": "Learning-rate schedule after warmup, by transformers' get_scheduler name (those that "
+                  "need more than warmup and total steps, or a metric, are left out)."},
     )
     warmup_steps: int = field(
         default=0, metadata={"help": "Optimizer steps of linear warmup; when above 0, overrides warmup_ratio."}
@@ -210,6 +252,8 @@ class TrainConfig:
             value = getattr(self, name)
             if (value is not None or name in positive) and value <= 0:
                 raise InputError(f"{name} must be a positive integer, got {value}")
+        if self.learning_rate is None:
+            self.learning_rate = default_learning_rate(self.model, self.lora)
         if self.learning_rate <= 0 or self.num_train_epochs <= 0:
             raise InputError("learning_rate and num_train_epochs must be positive")
         if not 0 <= self.warmup_ratio < 1:
@@ -409,7 +453,9 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
                          "train.py does not know; resume it with the version of train.py that made it")
     if config.get("eval_strategy") == ("steps" if config.get("eval_steps") else "no"):
         config["eval_strategy"] = None  # derived from eval_steps: derive it again, from this run's eval_steps
-    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None}
+    # Moving the folder aside was the starting run's act, not part of the run: a resume does not repeat it.
+    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None,
+                  "overwrite_output_dir": False}
 
 
 def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:

@@ -1,16 +1,96 @@
-"""Bad input from the user: one `error:` line that says what was wrong and what to do, exit code 2."""
+"""Errors the user must act on: one `error:` line that says what was wrong and what to do, exit code 2.
 
+Under a launcher (`accelerate launch`, torchrun) every rank meets such an error at the same point
+(train.py agrees on the ones a single rank finds): rank 0 reports it, the other ranks keep quiet
+until the launcher stops them, so the user reads it once. The launcher then prints its own report
+of the failed ranks (torch's ChildFailedError) below it; that report quotes the error as its root
+cause instead of pointing to a traceback a user's error does not have.
+"""
+
+import json
+import os
+import resource
+import shutil
+import signal
 import sys
+import time
+
+from safetensors import SafetensorError
 
 
 class InputError(Exception):
-    """Bad input from the user: reported as one line, exit code 2, nothing written."""
+    """Something the user must fix (bad input, a full disk, a folder in use by another run): reported as
+    one line (one per line of the message), exit code 2, nothing half written."""
+
+
+# What a failed write raises: OSError from Python, RuntimeError from torch.save ("unexpected pos ...", the
+# errno is lost), SafetensorError from safetensors.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it once rank 0
+# has reported the same error; a rank that is still running then reports its own.
+QUIET_RANK_WAIT_S = 10
 
 
 def run_command(main):
-    """Run a command's `main` and return what it returns, turning bad input into one `error:` line and exit code 2."""
+    """Run a command's `main` and return what it returns, turning an InputError into its `error:` line(s)
+    and exit code 2."""
     try:
         return main()
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(e)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            sys.stdout.flush()  # no interpreter teardown with gloo threads alive (runtime.exit_finished_run)
+            os._exit(2)
         sys.exit(2)
+
+
+def report(error: InputError) -> None:
+    from tqdm import tqdm
+
+    lines = "\n".join(f"error: {line}" for line in str(error).splitlines())
+    for bar in list(getattr(tqdm, "_instances", ())):  # a progress bar left open ends its line first
+        bar.close()
+    if int(os.environ.get("RANK", "0")) > 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stopped by the launcher: end quietly, no traceback
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(QUIET_RANK_WAIT_S)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each rank it starts
+    if error_file:
+        # torch's error-file format for a message without a traceback (its ErrorHandler always adds one).
+        try:
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump({"message": lines, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the launcher's report then points to torch's docs instead; the line below still says it
+    print(lines, file=sys.stderr, flush=True)
+
+
+def write_failed(what: str, path: str, error: Exception, advice: str) -> InputError:
+    """A write that failed (full disk, quota, file size limit, permissions) as one line: what could not be
+    written, why, what this machine says about it, and what to do."""
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror else
+              (str(error).strip().splitlines() or [type(error).__name__])[0])
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    facts = f"{shutil.disk_usage(existing).free / 2 ** 20:.1f} MiB free on its file system"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        facts += f", files limited to {limit} bytes for this process (ulimit -f)"
+    return InputError(f"cannot {what} {path}: {reason} ({facts}); {advice}")
+
+
+def checked_on_main_process(accelerator, check) -> None:
+    """Run `check` on the main process alone (collective: every rank calls it); if it raises an InputError,
+    every rank raises it, so that the run stops as one and rank 0 reports it."""
+    from accelerate.utils import broadcast_object_list
+
+    message = None
+    if accelerator.is_main_process:
+        try:
+            check()
+        except InputError as e:
+            message = str(e)
+    message = broadcast_object_list([message])[0]
+    if message is not None:
+        raise InputError(message)

@@ -6,7 +6,7 @@
 
 Whatever wrote the source (one process, DDP, ZeRO-2/3, FSDP), the folder holds safetensors weights,
 a config with the task (`problem_type`, id2label), the tokenizer, and training.json (the config of the
-run: task and columns, for predict and report); with LoRA, the adapter and its base (see modeling.py).
+run: task and columns, for predict and report); with LoRA, the base and the adapter beside it (see loading.py).
 Before it takes the target's place it is checked: no empty tensor, it reloads, and it predicts what
 the trained model predicts. train.py's export at the end of a run goes through the same `save_verified`.
 """
@@ -24,8 +24,8 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
 from .checkpoint import write_json
-from .errors import InputError, run_command
-from .loading import LORA_BASE, TRAINING, load_trained, load_weights, read_training, weight_files
+from .errors import WRITE_ERRORS, InputError, run_command, write_failed
+from .loading import TRAINING, load_trained, load_weights, read_training, weight_files
 from .modeling import apply_lora
 from .predict import predict_logits
 
@@ -118,16 +118,21 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     tmp = os.path.join(parent, f".{name}.incomplete")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
     try:
-        if isinstance(model, PeftModel) and not merge:
-            model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
-            model.unload().save_pretrained(os.path.join(tmp, LORA_BASE))  # the base they apply to
-        else:
-            if isinstance(model, PeftModel):
-                model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
-            model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if training:
-            write_json(os.path.join(tmp, TRAINING), training)
+        try:
+            if isinstance(model, PeftModel) and not merge:
+                model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
+                model.unload().save_pretrained(tmp)  # beside them the base they apply to (loading.py: the layout)
+            else:
+                if isinstance(model, PeftModel):
+                    model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
+                model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if training:
+                write_json(os.path.join(tmp, TRAINING), training)
+        except WRITE_ERRORS as e:
+            raise write_failed("export the model to", target, e, "free space (or choose another place), then export "
+                               "again: train.py --resume latest, or python -m textclf.export <step_N> <target>; "
+                               "checkpoints are untouched") from None
         verify_weights(tmp)
         reloaded, reloaded_tokenizer = load_trained(tmp)
         actual = predict_logits(reloaded, reloaded_tokenizer, PROBE_TEXTS)
@@ -135,7 +140,11 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
         if not torch.allclose(actual, expected, rtol=1e-4, atol=1e-5):
             raise InputError(f"export to {target} failed verification: the written model's logits differ from the "
                              f"trained model's by up to {(actual - expected).abs().max():.2e}")
-        replace_folder(tmp, target)
+        try:
+            replace_folder(tmp, target)
+        except OSError as e:
+            raise write_failed("put the exported model in place at", target, e, "move the folder in the way "
+                               "(or make it writable), then export again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # already gone when it became the target
     return target
@@ -157,9 +166,9 @@ def replace_folder(new: str, target: str) -> None:
 
 
 def verify_weights(folder: str) -> None:
-    """Every tensor saved in the folder (and in its LoRA base) has a size: a ZeRO-3 model saved without
+    """Every tensor saved in the folder (LoRA adapter included) has a size: a ZeRO-3 model saved without
     gathering writes its parameters as empty placeholders."""
-    files = weight_files(folder) + weight_files(os.path.join(folder, LORA_BASE))
+    files = weight_files(folder)
     if not files:
         raise InputError(f"{folder} has no safetensors weights")
     for path in files:

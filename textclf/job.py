@@ -9,7 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TrainConfig
 from .data import all_texts, fingerprint, load_splits, tokenize
-from .modeling import apply_lora, build_model, get_tokenizer
+from .modeling import apply_lora, build_model, get_tokenizer, model_config
 from .task import Task
 
 
@@ -22,6 +22,14 @@ class Job(NamedTuple):
     data_fingerprint: str  # of the training examples, for resume to recognise them
 
 
+def load_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, list[str], str]:
+    """The train and eval splits (columns `text`, `text_pair` for pairs, `labels`), the label names, and the
+    training examples' fingerprint, as every run of `cfg` sees them."""
+    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, Task.from_config(cfg), cfg.eval_split,
+                                                   cfg.seed, cfg.delimiter, cfg.encoding)
+    return train_set, eval_set, label_names, fingerprint(train_set)
+
+
 def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     """Data, tokenizer and model for `cfg`; the model's initial weights follow the global seed.
 
@@ -29,14 +37,15 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     as `accelerator.local_main_process_first`: the other processes then find both in the caches.
     Everything the user can get wrong here is an InputError, raised before anything is written.
     """
-    task = Task.from_config(cfg)
-    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, task, cfg.eval_split, cfg.seed,
-                                                   cfg.delimiter, cfg.encoding)
-    data_fingerprint = fingerprint(train_set)
+    config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)  # a model it cannot train stops here
+    train_set, eval_set, label_names, data_fingerprint = load_data(cfg)
     with tokenizer_first():
-        tokenizer = get_tokenizer(cfg.model, all_texts(train_set), cfg.cache_dir, data_fingerprint, cfg.max_length)
+        tokenizer = get_tokenizer(cfg.model, all_texts(train_set), cfg.cache_dir, data_fingerprint, cfg.max_length,
+                                  cfg.trust_remote_code)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
-    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length, task.problem_type)
+    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length,
+                        problem_type=Task.from_config(cfg).problem_type, config=config, torch_dtype=cfg.torch_dtype,
+                        gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
     if cfg.lora:  # before prepare: DDP and DeepSpeed must see which parameters train
         model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     return Job(train_set, eval_set, label_names, tokenizer, model, data_fingerprint)

@@ -1,25 +1,29 @@
 """Trained models read back: from an exported folder or from a step_<N> checkpoint, whichever
 strategy wrote it (one process, DDP, ZeRO-2/3, FSDP), for export, predict and report.
 
-An exported folder is a Hugging Face model folder. With LoRA it holds the adapter (and the trained
-head) at the top, where peft and `pipeline` look for it, and the base model it applies to in base/:
-a scratch base exists nowhere else, and the folder must load offline.
+An exported folder is a Hugging Face model folder. With LoRA it holds the base model (config.json,
+model.safetensors) and, beside it, the adapter with the trained head (adapter_config.json,
+adapter_model.safetensors): transformers and `pipeline` load such a folder as that base plus that
+adapter, from any working directory and wherever the folder is moved, offline; a scratch base exists
+nowhere else. (`base_model_name_or_path` in adapter_config.json records where the base came from;
+a folder that holds its own config.json is not sent there.)
 """
 
 import glob
 import json
 import os
+import pickle
 import tempfile
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position
 from .errors import InputError
 from .modeling import apply_lora
 
-LORA_BASE = "base"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # In an exported folder: the resolved config of the run that trained it and its data fingerprint, so that
@@ -62,15 +66,20 @@ def read_training(path: str) -> dict:
 
 
 def weight_files(folder: str) -> list[str]:
-    """The safetensors files of a model folder (export writes nothing else)."""
+    """The safetensors files of a model folder (export writes nothing else), the LoRA adapter's included."""
     return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+
+
+def base_weight_files(folder: str) -> list[str]:
+    """The model's own safetensors files, without a LoRA adapter's."""
+    return [path for path in weight_files(folder) if os.path.basename(path) != ADAPTER_WEIGHTS]
 
 
 def require_model_files(folder: str) -> None:
     """A model folder needs its config and its weights; say which one is missing."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise InputError(f"{folder} is not a complete model folder: it has no config.json")
-    if not weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
+    if not base_weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
         raise InputError(f"{folder} is not a complete model folder: it has no weights (model.safetensors)")
 
 
@@ -78,18 +87,30 @@ def _load_folder(folder: str):
     from peft import PeftModel
 
     lora = os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
-    base_folder = os.path.join(folder, LORA_BASE) if lora else folder
-    require_model_files(base_folder)
+    require_model_files(folder)
     if lora and not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
         raise InputError(f"{folder} is not a complete LoRA model folder: it has no {ADAPTER_WEIGHTS}")
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(base_folder, output_loading_info=True)
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot load a model from {base_folder}: {str(e).splitlines()[0]}") from None
+        if lora:
+            # The base alone, from its own files: from_pretrained(folder) would add the adapter beside it,
+            # and peft's PeftModel (which export merges) must add it instead.
+            config = AutoConfig.from_pretrained(folder)
+            state_dict = {name: tensor for path in base_weight_files(folder)
+                          for name, tensor in load_file(path).items()}
+            model, info = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)].from_pretrained(
+                None, config=config, state_dict=state_dict, output_loading_info=True)
+        else:
+            model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"cannot load a model from {folder}: {str(e).splitlines()[0]}") from None
+    except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
+        raise InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than "
+                         "tensors, which could run code when loaded; save the model as safetensors where it came from "
+                         "(save_pretrained does by default)") from None
     # from_pretrained fills missing weights with random ones and only warns: refuse instead.
     incomplete = info["missing_keys"] or info["mismatched_keys"]
     if incomplete:
-        raise InputError(f"{base_folder}: weights missing or of the wrong shape for its config: "
+        raise InputError(f"{folder}: weights missing or of the wrong shape for its config: "
                          f"{', '.join(sorted(map(str, incomplete))[:3])}")
     if lora:
         model = PeftModel.from_pretrained(model, folder)

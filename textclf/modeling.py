@@ -2,17 +2,22 @@
 texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
 import os
+import shutil
 from typing import Optional
 
+import torch
 from transformers import (
+    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
     BertForSequenceClassification,
     BertTokenizerFast,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from .errors import InputError
 
@@ -37,20 +42,73 @@ def scratch_size(model: str):
     return size
 
 
-def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_length: int):
-    """The model's tokenizer; for a scratch model, one learnt from the training texts and cached.
+def model_config(model: str, max_length: int, trust_remote_code: bool = False) -> Optional[PretrainedConfig]:
+    """The config of a pretrained `model`, read before any weight and checked: its code is transformers' own
+    unless trusted, it has a sequence-classification class, and it has positions for `max_length`
+    tokens. None for a scratch model (its config is `scratch_config`)."""
+    if scratch_size(model):
+        return None
+    try:
+        # trust_remote_code=False, never None: None would prompt on a terminal for a repo that ships code.
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise InputError(f"'{model}' needs custom code to load (its config's auto_map names Python files it "
+                             "ships); pass --trust_remote_code if you trust that code") from None
+        raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
+    auto_map = getattr(config, "auto_map", None) or {}
+    custom_head = trust_remote_code and "AutoModelForSequenceClassification" in auto_map
+    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING and not custom_head:
+        raise InputError(f"'{model}' is a {config.model_type} model, and transformers has no sequence-classification "
+                         f"class for {config.model_type} (AutoModelForSequenceClassification); choose a model of "
+                         "another family (BERT, RoBERTa, Llama, Qwen2, GPT-2, ...)")
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and max_length > positions:
+        raise InputError(f"--max_length {max_length} is beyond the {positions} positions of '{model}' "
+                         f"(max_position_embeddings); use --max_length {positions} or less")
+    return config
+
+
+def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_length: int,
+                  trust_remote_code: bool = False):
+    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from the training texts
+    and cached.
 
     Call it on the local main process first: the others then find the cached one.
     """
     if not scratch_size(model):
         try:
-            return AutoTokenizer.from_pretrained(model)
+            # padding_side as a loading argument, not set afterwards: only then does save_pretrained keep it.
+            tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, padding_side="right")
         except (OSError, ValueError) as e:
             raise InputError(f"cannot load a tokenizer from '{model}': {str(e).splitlines()[0]}") from None
-    folder = os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{data_fingerprint}-{SCRATCH_VOCAB_SIZE}")
+        return with_pad_token(tokenizer, model)
+    folder = scratch_tokenizer_folder(cache_dir, data_fingerprint)
     if not os.path.isdir(folder):
         train_tokenizer(texts, folder)
     return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+
+
+def with_pad_token(tokenizer: PreTrainedTokenizerBase, model: str) -> PreTrainedTokenizerBase:
+    """The tokenizer with a pad token: the eos token where the family ships none (Llama, Qwen2 and GPT-2
+    do not), as their own classification examples set it.
+
+    Padding goes on the right (get_tokenizer): decoder heads classify from the rightmost token that is
+    not padding, and count positions from the first token, so padded on the right every text keeps the
+    positions it has alone. Some families (Llama's among them) ship left padding, for generation.
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise InputError(f"the tokenizer of '{model}' has neither a pad token nor an eos token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def scratch_tokenizer_folder(cache_dir: str, data_fingerprint: str) -> str:
+    """Where the tokenizer learnt from the training data with this fingerprint is cached."""
+    return os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{data_fingerprint}-{SCRATCH_VOCAB_SIZE}")
 
 
 def train_tokenizer(texts, folder: str) -> None:
@@ -63,7 +121,12 @@ def train_tokenizer(texts, folder: str) -> None:
     os.makedirs(tmp, exist_ok=True)
     wordpiece.save_model(tmp)
     BertTokenizerFast(os.path.join(tmp, "vocab.txt")).save_pretrained(tmp)
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another run learnt the same vocabulary from the same texts and put it there first
+        if not os.path.isdir(folder):
+            raise
+        shutil.rmtree(tmp)
 
 
 def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> BertConfig:
@@ -72,20 +135,61 @@ def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> Bert
                       max_position_embeddings=max(512, max_length), **SCRATCH_SIZES[size], **extra)
 
 
-def build_model(model: str, tokenizer, label_names: list[str], max_length: int,
-                problem_type: Optional[str] = None) -> PreTrainedModel:
-    """A sequence classifier whose config carries the label names of the data and the task's `problem_type`
-    (which picks the model's loss: cross-entropy, binary cross-entropy per label, or squared error)."""
+def build_model(model: str, tokenizer, label_names: list[str], max_length: int, *,
+                problem_type: Optional[str] = None, config: Optional[PretrainedConfig] = None,
+                torch_dtype: str = "float32", gradient_checkpointing: bool = False,
+                trust_remote_code: bool = False) -> PreTrainedModel:
+    """A sequence classifier whose config carries the label names of the data, the task's `problem_type`
+    (which picks the model's loss: cross-entropy, binary cross-entropy per label, or squared error) and the
+    tokenizer's pad token.
+
+    `config` is `model_config(model, ...)` when the caller has read it already. `torch_dtype` is the
+    dtype the weights are loaded and kept in (a name of a torch dtype, or "auto" for the checkpoint's).
+    """
     labels = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
                   label2id={name: i for i, name in enumerate(label_names)}, problem_type=problem_type)
+    dtype = getattr(torch, torch_dtype) if torch_dtype != "auto" else "auto"
     size = scratch_size(model)
     if size:
         config = scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **labels)
-        return BertForSequenceClassification(config)
-    try:
-        return AutoModelForSequenceClassification.from_pretrained(model, ignore_mismatched_sizes=True, **labels)
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
+        built = BertForSequenceClassification(config)
+        if dtype not in ("auto", torch.float32):
+            built = built.to(dtype)
+    else:
+        config = config or model_config(model, max_length, trust_remote_code)
+        for key, value in labels.items():
+            setattr(config, key, value)
+        config.pad_token_id = tokenizer.pad_token_id  # what decoder heads look for to find each text's last token
+        if hasattr(config, "use_cache"):
+            config.use_cache = False  # a classifier never generates: no key/value cache to build and keep
+        try:
+            built = AutoModelForSequenceClassification.from_pretrained(
+                model, config=config, dtype=dtype, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
+    # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
+    built._no_split_modules = layer_classes(built)
+    if gradient_checkpointing:
+        # Non-reentrant: gradients reach LoRA's adapters through a frozen embedding without
+        # `enable_input_require_grads`. transformers 5 renamed the method (the old name warns).
+        enable = getattr(built, "activation_checkpointing_enable", None) or built.gradient_checkpointing_enable
+        try:
+            enable({"use_reentrant": False})
+        except ValueError as e:
+            raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None
+    return built
+
+
+def layer_classes(model: PreTrainedModel) -> list[str]:
+    """The classes of the model's repeated layers, which FSDP shards one by one: its family's
+    `_no_split_modules`, or, for families that declare none (BERT, RoBERTa, DistilBERT, ...), the classes
+    transformers marks as layers (GradientCheckpointingLayer)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    declared = getattr(model, "_no_split_modules", None)
+    if declared:
+        return sorted(declared)
+    return sorted({type(m).__name__ for m in model.modules() if isinstance(m, GradientCheckpointingLayer)})
 
 
 def apply_lora(model: PreTrainedModel, r: int, alpha: int, dropout: float, target_modules=None):
@@ -126,8 +230,6 @@ def parameter_groups(model: PreTrainedModel, weight_decay: float) -> list[dict]:
 
 def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
     """All parameters, the trainable ones, and those in embedding tables (full sizes under ZeRO-3 too)."""
-    import torch
-
     def numel(p):
         return getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partition keeps its full size here
 

@@ -29,6 +29,7 @@ from .config import TrainConfig
 from .errors import InputError, run_command
 from .data import length_sorted_loader, read_inputs, tokenize
 from .loading import load_trained, read_training
+from .runtime import die_with_launcher
 from .task import KINDS, Task
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
@@ -154,4 +155,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
     run_command(main)

@@ -30,6 +30,7 @@ from .errors import InputError, run_command
 from .loading import load_trained, read_training
 from .metrics import compute_scores
 from .predict import add_task_options, inference_accelerator, label_names, predict_logits, run_config
+from .runtime import die_with_launcher
 from .task import Task
 
 REPORT = "report.json"
@@ -218,4 +219,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
     run_command(main)

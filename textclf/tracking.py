@@ -2,11 +2,15 @@
 
 import json
 import os
+import sys
 import time
 from typing import Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from .errors import InputError, write_failed
 
 LOG = "log.jsonl"
 
@@ -17,15 +21,36 @@ def flat_config(config: dict) -> dict:
 
 
 def keep_log_until(output_dir: str, step: int) -> None:
-    """On resume, forget what a killed run logged after its checkpoint, so the log reads as one run."""
+    """On resume, forget what a killed run logged after its checkpoint, so the log reads as one run.
+
+    A last line cut short (a kill while appending) is dropped with a warning; a damaged line anywhere
+    else is not the trace of a kill, and stops the run.
+    """
     path = os.path.join(output_dir, LOG)
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
+    with open(path, "rb") as f:
+        lines = [line for line in f.read().split(b"\n") if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line.decode("utf-8"))
+            logged_at = row["step"]
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError):
+            if number < len(lines):
+                raise InputError(f"{path} line {number} is damaged (not a JSON object with a step): repair or "
+                                 "delete that line, then resume again") from None
+            print(f"warning: {path}: dropped its last line, cut short by the end of the previous run: "
+                  f"{line[:80]!r}", file=sys.stderr)
+            continue
+        if logged_at <= step:
+            kept.append(line + b"\n")
+    try:
+        with open(f"{path}.tmp", "wb") as f:
+            f.writelines(kept)
+        os.replace(f"{path}.tmp", path)
+    except OSError as e:
+        raise write_failed("rewrite", path, e, "free space or make it writable, then resume again") from None
 
 
 def append_log(output_dir: str, step: int, values: dict) -> None:
@@ -33,8 +58,12 @@ def append_log(output_dir: str, step: int, values: dict) -> None:
 
     The benchmark times steps from `time`, evaluation and checkpoints included or left out as it chooses.
     """
-    with open(os.path.join(output_dir, LOG), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+    path = os.path.join(output_dir, LOG)
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+    except OSError as e:
+        raise write_failed("append to", path, e, "free space, then continue with --resume latest") from None
 
 
 def log(accelerator: Accelerator, output_dir: str, step: int, values: dict) -> None:
@@ -45,12 +74,25 @@ def log(accelerator: Accelerator, output_dir: str, step: int, values: dict) -> N
 
 
 class Window:
-    """Loss and throughput over the micro-batches since the last log line."""
+    """Loss and throughput over the micro-batches since the last log line.
 
-    def __init__(self):
+    Its counts (`state`) are part of a checkpoint: a run resumed between two log lines logs the same
+    loss at the next one as the run that was never stopped. Its clock restarts.
+    """
+
+    def __init__(self, state: Optional[dict] = None):
         self.start = time.perf_counter()
         self.loss_sum, self.losses = 0.0, 0
         self.samples = self.real_tokens = self.padded_tokens = 0
+        if state:
+            # A float32 sum read back as a Python float: the next addition rounds exactly as it would have.
+            self.loss_sum, self.losses = state["loss_sum"], state["losses"]
+            self.samples, self.real_tokens, self.padded_tokens = (
+                state["samples"], state["real_tokens"], state["padded_tokens"])
+
+    def state(self) -> dict:
+        return {"loss_sum": float(self.loss_sum), "losses": self.losses, "samples": self.samples,
+                "real_tokens": int(self.real_tokens), "padded_tokens": self.padded_tokens}
 
     def add(self, loss: Optional[torch.Tensor], batch: dict) -> None:
         """Count one micro-batch; `loss` None where the caller does not see it (the Trainer baseline)."""
@@ -73,3 +115,8 @@ class Window:
         return {**({"loss": loss / processes} if self.losses else {}),
                 "samples_per_s": samples / seconds, "real_tokens_per_s": real / seconds,
                 "real_token_fraction": real / padded}
+
+
+def window_states(accelerator: Accelerator, window: Window) -> list[dict]:
+    """Every rank's window counts, in rank order (collective: every rank calls it)."""
+    return gather_object([window.state()])

@@ -19,7 +19,7 @@ def compute_scores(kind: str, predictions: list, references: list, labels=None) 
 
 
 def classification_scores(predictions: list[int], references: list[int], labels=None) -> dict:
-    """{"accuracy", "f1" (macro)}: single-label scores under the name textclf/bench*.py import."""
+    """{"accuracy", "f1" (macro)}: single-label scores, as benchmarks/baselines.py asks for them."""
     return compute_scores("single_label", predictions, references, labels)
 
 
