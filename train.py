@@ -32,6 +32,7 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
 from textclf.runtime import describe, die_with_launcher, exit_finished_run, make_accelerator
+from textclf.task import Task
 
 
 def main(cfg: TrainConfig) -> None:
@@ -44,6 +45,7 @@ def main(cfg: TrainConfig) -> None:
     set_seed(cfg.seed)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
+    task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
     train_set, eval_set, label_names, tokenizer, model, data_fingerprint = build_job(
         cfg, accelerator.local_main_process_first)
     accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
@@ -107,7 +109,8 @@ def main(cfg: TrainConfig) -> None:
                  "best": best, "loss_window": tracking.window_states(accelerator, window), "config": cfg.to_dict()}
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
-            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from)
+            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from,
+                              task.greater_is_better(cfg.metric_for_best_model))
         return path
 
     # The loop: one iteration per micro-batch; the work of an optimizer step happens where gradients sync.
@@ -155,11 +158,12 @@ def main(cfg: TrainConfig) -> None:
                 stopping = accelerator.check_trigger()
             metrics = {}
             if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, steps_per_epoch):
-                metrics = evaluate_model(model, eval_loader, accelerator)
+                metrics = evaluate_model(model, eval_loader, accelerator, task)
                 tracking.log(accelerator, cfg.output_dir, step, metrics)
                 if cfg.load_best_model_at_end:
                     best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
-                                              os.path.join(cfg.output_dir, f"step_{step}"))
+                                              os.path.join(cfg.output_dir, f"step_{step}"),
+                                              task.greater_is_better(cfg.metric_for_best_model))
                 if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
                     accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "
                                       f"without improvement of {cfg.metric_for_best_model}")
@@ -176,12 +180,12 @@ def main(cfg: TrainConfig) -> None:
     progress.close()
 
     if not metrics:  # resumed from the last checkpoint: nothing left to train
-        metrics = evaluate_model(model, eval_loader, accelerator)
+        metrics = evaluate_model(model, eval_loader, accelerator, task)
     if cfg.load_best_model_at_end and best:
         metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
-    accelerator.print(f"eval at step {step}: accuracy {metrics['eval_accuracy']:.4f}, "
-                      f"macro-F1 {metrics['eval_f1']:.4f} on {metrics['eval_samples']} examples")
-    model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"))
+    accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
+    model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
+                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint})
     accelerator.print(f"model exported to {model_dir}")
     accelerator.end_training()
 

@@ -178,6 +178,59 @@ def aspect_files(tmp_path_factory, corpus_csv) -> dict[str, Path]:
             for name, start, end in (("train", 0, 60), ("eval", 60, 80))}
 
 
+# Three tasks made from the default corpus (tests/test_tasks.py): each has 240 examples to train and 37 to
+# evaluate, a number that 2 processes with batches of 8 do not divide evenly.
+TASK_TRAIN, TASK_EVAL = 240, 37
+
+
+@pytest.fixture(scope="session")
+def pair_files(tmp_path_factory, corpus_csv) -> dict[str, Path]:
+    """Sentence pairs: do two reviews of the default corpus share a sentiment? Consecutive reviews of a
+    shuffle, each cut to 40 characters, labelled `same` or `different` (columns first, second, label)."""
+    rows = read_csv(corpus_csv)
+    random.Random(1).shuffle(rows)
+    pairs = [{"first": a["review"][:40], "second": b["review"][:40],
+              "label": "same" if a["label"] == b["label"] else "different"} for a, b in zip(rows[::2], rows[1::2])]
+    folder = tmp_path_factory.mktemp("pairs")
+    return {"train": write_csv(folder / "train.csv", pairs[:TASK_TRAIN]),
+            "eval": write_csv(folder / "eval.csv", pairs[TASK_TRAIN:TASK_TRAIN + TASK_EVAL])}
+
+
+@pytest.fixture(scope="session")
+def multi_label_files(tmp_path_factory, corpus_csv) -> dict[str, Path]:
+    """Multi-label topics: reviews of the default corpus that name at least one of ASPECTS, labelled with
+    every aspect they name; to train as JSON Lines (a list per row), to evaluate as CSV (names joined by
+    '|'), texts cut to 60 characters (columns review, aspects)."""
+    rows = read_csv(corpus_csv)
+    random.Random(2).shuffle(rows)
+    tagged = [{"review": row["review"][:60], "aspects": aspects_of(row["review"][:60])} for row in rows]
+    tagged = [row for row in tagged if row["aspects"]]
+    folder = tmp_path_factory.mktemp("multi_label")
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in tagged[:TASK_TRAIN]),
+                     encoding="utf-8")
+    held_out = [{**row, "aspects": "|".join(row["aspects"])} for row in tagged[TASK_TRAIN:TASK_TRAIN + TASK_EVAL]]
+    return {"train": train, "eval": write_csv(folder / "eval.csv", held_out)}
+
+
+def rating_of(label: str, review: str) -> float:
+    """A 1-5 rating made from a review of the default corpus: its sentiment places it (negative 1.0-2.0,
+    positive 4.0-5.0), its length spreads it within that range, deterministically."""
+    return (1.0 if label == "negative" else 4.0) + (len(review) % 11) / 10
+
+
+@pytest.fixture(scope="session")
+def rating_files(tmp_path_factory, corpus_csv) -> dict[str, Path]:
+    """Regression: reviews of the default corpus cut to 60 characters, each with rating_of() (columns rating,
+    review)."""
+    rows = read_csv(corpus_csv)
+    random.Random(3).shuffle(rows)
+    rated = [{"rating": rating_of(row["label"], row["review"][:60]), "review": row["review"][:60]} for row in rows]
+    folder = tmp_path_factory.mktemp("ratings")
+    return {"train": write_csv(folder / "train.csv", rated[:TASK_TRAIN]),
+            "eval": write_csv(folder / "eval.csv", rated[TASK_TRAIN:TASK_TRAIN + TASK_EVAL])}
+
+
 @pytest.fixture(scope="session")
 def reviews_csv(tmp_path_factory, corpus_csv) -> Path:
     """240 real reviews (120 per label) from the default corpus, texts cut to 60 characters."""

@@ -126,7 +126,8 @@ def help_text():
 
 def test_help_groups_the_options_and_lists_the_recipe(help_text):
     sections = [line[:-1] for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert sections == ["options", "model", "data", "optimisation", "LoRA", "evaluation and checkpoints", "logging"]
+    assert sections == ["options", "model", "data", "task", "optimisation", "LoRA", "evaluation and checkpoints",
+                        "logging"]
     assert "--config RECIPE.yaml" in help_text
     section_of = {}
     for line in help_text.splitlines():

@@ -143,6 +143,24 @@ BAD_INPUTS = {
                         "per_device_train_batch_size must be a positive integer, got 0"),
     "negative batch size": (lambda d: ["--per_device_eval_batch_size", "-1"],
                             "per_device_eval_batch_size must be a positive integer, got -1"),
+    # Tasks (tests/test_tasks.py trains them):
+    "missing pair column": (lambda d: ["--data", _write(d / "p.csv", "label,first\nsame,好\ndifferent,差\n"),
+                                       "--text_column", "first", "--text_pair_column", "second"],
+                            "has no text_pair column 'second'; its columns are: label, first "
+                            "(choose with --text_pair_column)"),
+    "multi-label cell that does not parse": (
+        lambda d: ["--task", "multi_label",
+                   "--data", _write(d / "m.csv", 'label,review\n"[""服务""]",好\n"[服务,",差\n')],
+        "m.csv row 2: label cell '[服务,' does not parse as a JSON list"),
+    "non-numeric regression target": (lambda d: ["--task", "regression", "--data",
+                                                 _write(d / "r.csv", "label,review\n4.5,好\ngood,差\n")],
+                                      "r.csv row 2: label 'good' in column 'label' is not a finite number"),
+    "label name unseen in training": (
+        lambda d: ["--task", "multi_label", "--label_separator", "|",
+                   "--data", _write(d / "t.jsonl", '{"review": "好", "label": ["服务"]}\n'
+                                                   '{"review": "差", "label": ["房间", "服务"]}\n'),
+                   "--eval_data", _write(d / "e.csv", "label,review\n服务|早餐,一般\n")],
+        "e.csv has label(s) 早餐 not seen in the training data (known: 房间, 服务)"),
 }
 
 
@@ -172,9 +190,11 @@ def test_torch_compile_from_the_launch_line_is_refused_before_anything_is_writte
 
 def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, capsys):
     from textclf.data import load_splits
+    from textclf.task import Task
 
     rows = "label,review\n" + "".join(f"{i % 2},\ufeff评论{i}\n" for i in range(40)) + "1,\n0,   \n"
-    train, held_out, names = load_splits(str(_write(tmp_path / "d.csv", rows)), None, "review", "label", 0.1, 0)
+    task = Task("single_label", text_column="review", label_column="label")
+    train, held_out, names = load_splits(str(_write(tmp_path / "d.csv", rows)), None, task, 0.1, 0)
     assert len(train) + len(held_out) == 40 and names == ["0", "1"]
     assert not any(text.startswith("\ufeff") for text in train["text"])
     assert capsys.readouterr().out.count("warning: dropped 2 row(s) with empty text") == 1
@@ -185,8 +205,9 @@ def test_tokenization_is_cached_between_runs(tmp_path, reviews_csv):
 
     from textclf.data import load_splits, tokenize
     from textclf.modeling import train_tokenizer
+    from textclf.task import Task
 
-    train, _, _ = load_splits(str(reviews_csv), None, "review", "label", 0.1, 0)
+    train, _, _ = load_splits(str(reviews_csv), None, Task("single_label", "review", "label"), 0.1, 0)
     train_tokenizer(train["text"], str(tmp_path / "tok"))
     # Each run loads its own tokenizer object from the cached folder.
     first = tokenize(train, BertTokenizerFast.from_pretrained(tmp_path / "tok"), 32)

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 
 from .checkpoint import write_json
 from .errors import InputError
+from .task import format_score
 
 
 def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) -> bool:
@@ -25,17 +26,23 @@ def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) ->
     return strategy == "steps" and every is not None and step % every == 0
 
 
-def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str) -> dict:
+def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str,
+               greater_is_better: bool = True) -> Optional[dict]:
     """The best evaluation after this one, and how many evaluations in a row did not improve on it.
 
-    As in the Trainer's EarlyStoppingCallback, only a strictly higher value counts as an improvement;
-    a tie still moves the best to the newer checkpoint, the one rotation keeps (checkpoint.rotate).
-    `checkpoint` is where this step's checkpoint is (or would be) saved.
+    As in the Trainer's EarlyStoppingCallback, only a strictly better value (higher, or lower where the
+    task says lower is better: textclf/task.py) counts as an improvement; a tie still moves the best
+    to the newer checkpoint, the one rotation keeps (checkpoint.rotate). An undefined value (None: a
+    correlation of constant predictions) improves on nothing. `checkpoint` is where this step's
+    checkpoint is (or would be) saved.
     """
     if metric not in metrics:
         raise InputError(f"metric_for_best_model {metric} is not one of the evaluation's: {', '.join(metrics)}")
     value = metrics[metric]
-    improved = best is None or value > best["value"]
+    if value is None:
+        return None if best is None else {**best, "evaluations_without_improvement":
+                                          best["evaluations_without_improvement"] + 1}
+    improved = best is None or (value > best["value"] if greater_is_better else value < best["value"])
     waited = 0 if improved else best["evaluations_without_improvement"] + 1
     if improved or value == best["value"]:
         return {"step": step, "value": value, "metrics": metrics, "checkpoint": checkpoint,
@@ -59,6 +66,7 @@ def load_best(accelerator: Accelerator, best: dict, step: int, output_dir: str) 
         run["best_model"] = {"step": best["step"], "checkpoint": best["checkpoint"] if best["step"] != step else None,
                              **best["metrics"]}
         write_json(path, run)
-    accelerator.print(f"best model: step {best['step']} ({', '.join(f'{k} {v:.4f}' for k, v in best['metrics'].items() if k != 'eval_samples')})"
+    scores = ", ".join(f"{k} {format_score(v)}" for k, v in best["metrics"].items() if k != "eval_samples")
+    accelerator.print(f"best model: step {best['step']} ({scores})"
                       + (f", loaded from {best['checkpoint']}" if best["step"] != step else ", the last step"))
     return best["metrics"]

@@ -32,6 +32,7 @@ from .job import load_data
 from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, layer_classes, model_config, parameter_counts, scratch_config,
                        scratch_size, scratch_tokenizer_folder)
 from .runtime import COMPILE_REFUSED, zero_offload
+from .task import Task
 from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
                      framework_buffer_bytes, model_state_bytes)
 
@@ -296,22 +297,22 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def planned_model(cfg: TrainConfig):
     """(model, vocabulary note): the model train.py would build, on the meta device (no weight allocated
-    or read), with LoRA's adapters when cfg.lora, and where its vocabulary size comes from.
-
-    Two labels are assumed: the head is hidden_size x labels, a rounding error next to the body.
-    """
+    or read), with LoRA's adapters when cfg.lora, and where its vocabulary size comes from."""
     from transformers import AutoModelForSequenceClassification
 
     size = scratch_size(cfg.model)
+    # The task's fewest labels (the data is not read for them): the head is hidden_size x labels, a rounding
+    # error next to the body.
+    num_labels = Task.from_config(cfg).fewest_labels
     if size:
         learnt = learnt_vocabulary(cfg)
-        config = scratch_config(size, learnt or SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=2)
+        config = scratch_config(size, learnt or SCRATCH_VOCAB_SIZE, cfg.max_length, num_labels=num_labels)
         vocabulary = (f"the vocabulary of {learnt:,} tokens learnt from this data (cached)" if learnt else
                       f"an upper bound: the vocabulary at its cap of {SCRATCH_VOCAB_SIZE:,} tokens, until the first "
                       "run learns one from the data (at most that large)")
     else:
         config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)
-        config.num_labels = 2
+        config.num_labels = num_labels
         vocabulary = f"its vocabulary of {config.vocab_size:,} tokens" if hasattr(config, "vocab_size") else ""
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)

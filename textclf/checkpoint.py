@@ -425,12 +425,14 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     return final
 
 
-def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str]) -> list[str]:
-    """Delete all but the `keep` newest checkpoints, the best one by `metric`, and `protect`."""
+def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],
+           greater_is_better: bool = True) -> list[str]:
+    """Delete all but the `keep` newest checkpoints, the best one by `metric` (the task says which way is
+    better: textclf/task.py), and `protect`."""
     found = complete_checkpoints(output_dir)
     kept = {path for _, path in found[-keep:]}
     scored = [(read_position(path).get("metrics", {}).get(metric), step, path) for step, path in found]
-    scored = [s for s in scored if s[0] is not None]
+    scored = [(value if greater_is_better else -value, step, path) for value, step, path in scored if value is not None]
     if scored:
         kept.add(max(scored)[2])  # ties go to the newer checkpoint
     if protect:

@@ -85,7 +85,7 @@ class TrainConfig:
     label_column: str = field(
         default="label",
         metadata={"help": "Column holding the label: integers or strings (names, mapped to ids in "
-                  "sorted order and saved as id2label)."},
+                  "sorted order and saved as id2label); multi_label: a list of names; regression: a number."},
     )
     delimiter: Optional[str] = field(
         default=None,
@@ -112,6 +112,26 @@ class TrainConfig:
     cache_dir: str = field(
         default="~/.cache/textclf",
         metadata={"help": "Where trained tokenizers are cached; tokenized data is cached by `datasets`."},
+    )
+
+    # --- task (textclf/task.py, docs/tasks.md) ---
+    task: Literal["single_label", "multi_label", "regression"] = field(
+        default="single_label",
+        metadata={"help": "single_label: one label per text (softmax); multi_label: a set of labels per text "
+                  "(a sigmoid per label); regression: a number per text (num_labels=1)."},
+    )
+    text_pair_column: Optional[str] = field(
+        default=None,
+        metadata={"help": "Column holding a second text: each example is a pair, tokenized as one "
+                  "(sentence matching, entailment); with any task."},
+    )
+    label_separator: str = field(
+        default=",",
+        metadata={"help": "multi_label: what separates the names in a label cell of a CSV file (JSON Lines "
+                  "cells, and cells written as a JSON list, are lists already)."},
+    )
+    threshold: float = field(
+        default=0.5, metadata={"help": "multi_label: a label is predicted where its sigmoid exceeds this."}
     )
 
     # --- optimisation (names as in transformers.TrainingArguments) ---
@@ -192,8 +212,10 @@ class TrainConfig:
         default=None,
         metadata={"help": "Keep this many newest checkpoints, plus the best by metric_for_best_model."},
     )
-    metric_for_best_model: str = field(
-        default="eval_f1", metadata={"help": "Metric (higher is better) that picks the best checkpoint."}
+    metric_for_best_model: Optional[str] = field(
+        default=None,
+        metadata={"help": "Metric that picks the best checkpoint (the highest, or the lowest for eval_mse); "
+                  "default: the task's main one (eval_f1, eval_micro_f1, eval_mse)."},
     )
     load_best_model_at_end: bool = field(
         default=False,
@@ -260,6 +282,24 @@ class TrainConfig:
         if self.early_stopping_patience is not None and not self.load_best_model_at_end:
             raise InputError("early_stopping_patience needs --load_best_model_at_end (as the Trainer's "
                              "EarlyStoppingCallback): the run ends with the best model, not the last one")
+        self._check_task()
+
+    def _check_task(self):
+        """The task's options agree; the best checkpoint's metric is one the task computes."""
+        from .task import MAIN_METRIC, Task  # here, not at the top: the task imports datasets, parsing needs none
+
+        if self.text_pair_column == self.text_column:
+            raise InputError(f"text_pair_column is the text column '{self.text_column}'; name a second column")
+        if not self.label_separator:
+            raise InputError("label_separator must not be empty")
+        if not 0 < self.threshold < 1:
+            raise InputError(f"threshold must be in (0, 1), got {self.threshold}")
+        metric = self.metric_for_best_model or MAIN_METRIC[self.task]
+        self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
+        metrics = Task.from_config(self).metrics
+        if self.metric_for_best_model not in metrics:
+            raise InputError(f"metric_for_best_model {self.metric_for_best_model} is not a score of task {self.task} "
+                             f"(it has {', '.join(metrics)})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -274,7 +314,8 @@ def describe_cadence(strategy: str, steps: Optional[int]) -> str:
 
 
 # What a resumed run may set differently from its checkpoint: what keeps the steps it replays exact
-# (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers) or
+# (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers, the
+# multi-label threshold, which only evaluation reads) or
 # asks for more of the same run (max_steps, num_train_epochs). Every other field must match the
 # checkpoint's. The launch (processes, ZeRO stage) and the data itself are compared separately, by
 # checkpoint.check_compatible.
@@ -282,11 +323,11 @@ RESUME_MAY_CHANGE = (
     "resume", "output_dir", "overwrite_output_dir", "max_steps", "num_train_epochs",
     "logging_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "save_strategy", "save_steps",
     "save_total_limit", "metric_for_best_model", "load_best_model_at_end", "early_stopping_patience",
-    "report_to", "allow_pickle", "cache_dir", "dataloader_num_workers",
+    "report_to", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
 )
 
 # --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.
-HELP_SECTIONS = {"model": "model", "data": "data", "per_device_train_batch_size": "optimisation",
+HELP_SECTIONS = {"model": "model", "data": "data", "task": "task", "per_device_train_batch_size": "optimisation",
                  "lora": "LoRA", "output_dir": "evaluation and checkpoints", "logging_steps": "logging"}
 
 # Names that users of the Trainer, run_glue_no_trainer.py and other scripts type, and what they are here.

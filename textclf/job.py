@@ -8,12 +8,13 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TrainConfig
-from .data import fingerprint, load_splits, tokenize
+from .data import all_texts, fingerprint, load_splits, tokenize
 from .modeling import apply_lora, build_model, get_tokenizer, model_config
+from .task import Task
 
 
 class Job(NamedTuple):
-    train_set: Dataset  # tokenized: input_ids, attention_mask, labels, length
+    train_set: Dataset  # tokenized: input_ids, attention_mask (token_type_ids), labels, length
     eval_set: Dataset
     label_names: list[str]
     tokenizer: PreTrainedTokenizerBase
@@ -22,10 +23,10 @@ class Job(NamedTuple):
 
 
 def load_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, list[str], str]:
-    """The train and eval splits (columns `text`, `labels`), the label names, and the training examples'
-    fingerprint, as every run of `cfg` sees them."""
-    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, cfg.text_column, cfg.label_column,
-                                                   cfg.eval_split, cfg.seed, cfg.delimiter, cfg.encoding)
+    """The train and eval splits (columns `text`, `text_pair` for pairs, `labels`), the label names, and the
+    training examples' fingerprint, as every run of `cfg` sees them."""
+    train_set, eval_set, label_names = load_splits(cfg.data, cfg.eval_data, Task.from_config(cfg), cfg.eval_split,
+                                                   cfg.seed, cfg.delimiter, cfg.encoding)
     return train_set, eval_set, label_names, fingerprint(train_set)
 
 
@@ -39,10 +40,11 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)  # a model it cannot train stops here
     train_set, eval_set, label_names, data_fingerprint = load_data(cfg)
     with tokenizer_first():
-        tokenizer = get_tokenizer(cfg.model, train_set["text"], cfg.cache_dir, data_fingerprint, cfg.max_length,
+        tokenizer = get_tokenizer(cfg.model, all_texts(train_set), cfg.cache_dir, data_fingerprint, cfg.max_length,
                                   cfg.trust_remote_code)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
-    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length, config=config, torch_dtype=cfg.torch_dtype,
+    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length,
+                        problem_type=Task.from_config(cfg).problem_type, config=config, torch_dtype=cfg.torch_dtype,
                         gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
     if cfg.lora:  # before prepare: DDP and DeepSpeed must see which parameters train
         model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)

@@ -10,6 +10,7 @@ a folder that holds its own config.json is not sent there.)
 """
 
 import glob
+import json
 import os
 import pickle
 import tempfile
@@ -25,6 +26,9 @@ from .modeling import apply_lora
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# In an exported folder: the resolved config of the run that trained it and its data fingerprint, so that
+# predict and report know the task and columns (a checkpoint's position.json holds the same).
+TRAINING = "training.json"
 
 
 def load_trained(path: str, allow_pickle: bool = False):
@@ -43,6 +47,22 @@ def load_trained(path: str, allow_pickle: bool = False):
         raise InputError(f"{path} is neither a model folder (config.json and weights, as export writes) nor a "
                          f"step_<N> checkpoint ({POSITION}, as train.py writes)")
     return model.eval(), tokenizer
+
+
+def read_training(path: str) -> dict:
+    """{"config": the training config, "data_fingerprint": ...} of the run that made a model folder or
+    checkpoint; {} for a folder that export did not write (a model from elsewhere, or an older export)."""
+    if os.path.isfile(os.path.join(path, POSITION)):
+        position = read_position(path)
+        return {key: position[key] for key in ("config", "data_fingerprint") if key in position}
+    file = os.path.join(path, TRAINING)
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{file} is unreadable: {e}") from None
 
 
 def weight_files(folder: str) -> list[str]:

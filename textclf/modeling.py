@@ -136,15 +136,18 @@ def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> Bert
 
 
 def build_model(model: str, tokenizer, label_names: list[str], max_length: int, *,
-                config: Optional[PretrainedConfig] = None, torch_dtype: str = "float32",
-                gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> PreTrainedModel:
-    """A sequence classifier whose config carries the label names of the data and the tokenizer's pad token.
+                problem_type: Optional[str] = None, config: Optional[PretrainedConfig] = None,
+                torch_dtype: str = "float32", gradient_checkpointing: bool = False,
+                trust_remote_code: bool = False) -> PreTrainedModel:
+    """A sequence classifier whose config carries the label names of the data, the task's `problem_type`
+    (which picks the model's loss: cross-entropy, binary cross-entropy per label, or squared error) and the
+    tokenizer's pad token.
 
     `config` is `model_config(model, ...)` when the caller has read it already. `torch_dtype` is the
     dtype the weights are loaded and kept in (a name of a torch dtype, or "auto" for the checkpoint's).
     """
     labels = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-                  label2id={name: i for i, name in enumerate(label_names)})
+                  label2id={name: i for i, name in enumerate(label_names)}, problem_type=problem_type)
     dtype = getattr(torch, torch_dtype) if torch_dtype != "auto" else "auto"
     size = scratch_size(model)
     if size:

@@ -1,15 +1,20 @@
-"""Predict: label id, label name and class probabilities for texts given on the command line or in a file.
+"""Predict: what the model says of texts (or pairs) given on the command line or in a file.
 
     python -m textclf.predict --model checkpoints/model --text "味道很好" "送得太慢了"      # to the terminal
     python -m textclf.predict --model checkpoints/step_500 --file new.csv --text_column review --output out.csv
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.predict --model ... --file ... --output ...
 
-One output row per input row, in input order, on any number of processes: batches are sorted by
-length (little padding), each process predicts its share, and every row goes back to its index.
+Each row holds what the task predicts (textclf/task.py): label id, name and a probability per label;
+the predicted label names and a sigmoid per label; or the score. The task, the columns and the
+threshold are those the model was trained with (its training.json, or a checkpoint's position.json)
+unless given here. One output row per input row, in input order, on any number of processes: batches
+are sorted by length (little padding), each process predicts its share, and every row goes back to
+its index.
 """
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -20,10 +25,12 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
+from .config import TrainConfig
 from .errors import InputError, run_command
-from .data import length_sorted_loader, read_texts, tokenize
-from .loading import load_trained
+from .data import length_sorted_loader, read_inputs, tokenize
+from .loading import load_trained, read_training
 from .runtime import die_with_launcher
+from .task import KINDS, Task
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
 
@@ -34,15 +41,17 @@ def inference_accelerator() -> Accelerator:
     return Accelerator(cpu=not torch.cuda.is_available())
 
 
-def predict_logits(model, tokenizer, texts: list[str], *, batch_size: int = 64,
+def predict_logits(model, tokenizer, texts: list[str], pairs: Optional[list[str]] = None, *, batch_size: int = 64,
                    accelerator: Optional[Accelerator] = None, progress: bool = False) -> torch.Tensor:
-    """Logits for `texts`, row i for text i: on one process, or shared out among `accelerator`'s.
+    """Logits for `texts` (each with its pair from `pairs`), row i for text i: on one process, or shared out
+    among `accelerator`'s.
 
     Every process gets the whole result. Under several processes accelerate pads the last batches
     with repeated rows so that all processes run the same number; `gather_for_metrics` drops them.
     """
     max_length = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", float("inf")))
-    table = tokenize(Dataset.from_dict({"text": list(texts), "index": list(range(len(texts)))}), tokenizer, max_length)
+    columns = {"text": list(texts), **({"text_pair": list(pairs)} if pairs is not None else {})}
+    table = tokenize(Dataset.from_dict({**columns, "index": list(range(len(texts)))}), tokenizer, max_length)
     loader = length_sorted_loader(table, tokenizer, batch_size)
     if accelerator is not None:
         loader = accelerator.prepare(loader)  # shards the batches and moves them to the device
@@ -65,22 +74,36 @@ def label_names(model) -> list[str]:
     return [model.config.id2label[i] for i in range(model.config.num_labels)]
 
 
-def prediction_rows(texts: list[str], logits: torch.Tensor, names: list[str]) -> list[dict]:
-    """One row per text: the text, the label id and name, and a probability per label name."""
-    probabilities = logits.softmax(dim=-1)
-    return [{"text": text, "label": int(p.argmax()), "label_name": names[int(p.argmax())],
-             **{f"prob_{name}": float(value) for name, value in zip(names, p)}}
-            for text, p in zip(texts, probabilities)]
+def run_config(model_path: str, options: dict) -> TrainConfig:
+    """The config of the run that trained `model_path` (defaults where it has none), with `options` given
+    here (those not None) winning: what predict and report take the task and columns from."""
+    known = {field.name for field in dataclasses.fields(TrainConfig)}
+    # The run's best-checkpoint metric is of no use here, and may not be a score of a task given here.
+    saved = {key: value for key, value in read_training(model_path).get("config", {}).items()
+             if key in known and key != "metric_for_best_model"}
+    return TrainConfig(**{**saved, **{key: value for key, value in options.items() if value is not None}})
+
+
+def add_task_options(parser: argparse.ArgumentParser) -> None:
+    """The task's options, for predict and report; by default those the model was trained with."""
+    parser.add_argument("--task", choices=KINDS, help="the task (default: the one the model was trained for)")
+    parser.add_argument("--text_column", help="the column that holds the text (default: the training run's)")
+    parser.add_argument("--text_pair_column", help="the column that holds the second text of a pair "
+                                                   "(default: the training run's)")
+    parser.add_argument("--threshold", type=float, help="multi_label: a label is predicted where its sigmoid "
+                                                        "exceeds this (default: the training run's)")
 
 
 def write_rows(rows: list[dict], path: str) -> None:
-    """CSV or JSON Lines by the file's suffix, through a temporary file and a rename."""
+    """CSV or JSON Lines by the file's suffix, through a temporary file and a rename. In CSV a list (the
+    predicted label names) is written as a JSON list, which training and report read back as one."""
     tmp = f"{path}.incomplete"
     with open(tmp, "w", encoding="utf-8", newline="") as f:
         if path.endswith(".csv"):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows({key: json.dumps(value, ensure_ascii=False) if isinstance(value, list) else value
+                              for key, value in row.items()} for row in rows)
         else:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     os.replace(tmp, path)
@@ -92,11 +115,13 @@ def main(argv=None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", nargs="+", help="one or more texts")
     source.add_argument("--file", help="a CSV, JSON Lines or JSON file, or a folder saved by `datasets`")
-    parser.add_argument("--text_column", default="review", help="the column of --file that holds the text")
+    parser.add_argument("--text_pair", nargs="+", help="with --text, for a pair model: the second text of each")
+    add_task_options(parser)
     parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
     parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
     parser.add_argument("--output", help="where to write: a .csv or .jsonl file; without it, one line per text "
-                        "on the terminal: label name, its probability, text")
+                        "on the terminal: what the model predicts (label name and probability, names, or score), "
+                        "then the text")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
     parser.add_argument("--allow_pickle", action="store_true",
                         help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
@@ -105,19 +130,27 @@ def main(argv=None) -> None:
         raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
     transformers_logging.disable_progress_bar()  # the prediction bar is the one that matters
 
+    task = Task.from_config(run_config(args.model, {key: getattr(args, key) for key in (
+        "task", "text_column", "text_pair_column", "threshold")}))
     accelerator = inference_accelerator()
-    texts = args.text if args.text else read_texts(args.file, args.text_column, args.delimiter, args.encoding)
+    if args.text:
+        texts, pairs = args.text, args.text_pair
+        if (task.text_pair_column and pairs is None) or (pairs is not None and len(pairs) != len(texts)):
+            raise InputError(f"give one --text_pair per --text ({len(texts)} texts, {len(pairs or [])} pairs)"
+                             + (f": {args.model} was trained on pairs" if task.text_pair_column else ""))
+    else:
+        texts, pairs = read_inputs(args.file, task.text_column, task.text_pair_column, args.delimiter, args.encoding)
     model, tokenizer = load_trained(args.model, args.allow_pickle)
-    logits = predict_logits(model, tokenizer, texts, batch_size=args.batch_size, accelerator=accelerator,
+    logits = predict_logits(model, tokenizer, texts, pairs, batch_size=args.batch_size, accelerator=accelerator,
                             progress=True)
     if accelerator.is_main_process:
-        rows = prediction_rows(texts, logits, label_names(model))
+        rows = task.prediction_rows(texts, pairs, logits, label_names(model))
         if args.output:
             write_rows(rows, args.output)
             accelerator.print(f"wrote {len(texts)} predictions to {args.output}")
         else:
             for row in rows:
-                print(f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}\t{row['text']}")
+                print(task.terminal_line(row))
     accelerator.end_training()  # a clean shutdown of the process group on every rank
 
 

@@ -1,10 +1,15 @@
-"""Evaluate a trained model on a labelled file: accuracy, macro-F1, a per-class table, a confusion matrix.
+"""Evaluate a trained model on a labelled file, beside a baseline fitted on the model's own training data.
 
-    python -m textclf.report --model checkpoints/model --file test.csv --label_column cat --output_dir report/
+    python -m textclf.report --model checkpoints/model --file test.csv --output_dir report/
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.report --model ... --file ... ...
 
-Prints the scores and the per-class precision / recall / F1 / support table with the label names,
-and writes them to <output_dir>/report.json, with the confusion matrix drawn in confusion_matrix.png.
+Prints the task's scores (textclf/task.py) for the model and for a TF-IDF + linear baseline fitted on
+the examples the model was trained on (textclf/baseline.py), then a precision / recall / F1 / support
+table per class (single_label) or per label (multi_label), with their names. Writes it all to
+<output_dir>/report.json, and draws the confusion matrix (single_label: confusion_matrix.png) or the
+predicted against the true scores (regression: predicted_vs_true.png). The task, the columns and the
+training data are those of the run that trained the model (its training.json, or a checkpoint's
+position.json) unless given here.
 """
 
 import argparse
@@ -13,38 +18,70 @@ import sys
 from typing import Optional
 
 import numpy as np
+from datasets import Dataset
 from sklearn.metrics import classification_report, confusion_matrix
 from transformers.utils import logging as transformers_logging
 
+from .baseline import baseline_predictions
 from .checkpoint import write_json
+from .config import TrainConfig
+from .data import DEFAULT_DATA, fingerprint, labelled, load_splits, load_table, select_columns
 from .errors import InputError, run_command
-from .data import encode_labels, load_table, select_columns
-from .metrics import classification_scores
-from .loading import load_trained
+from .loading import load_trained, read_training
+from .metrics import compute_scores
+from .predict import add_task_options, inference_accelerator, label_names, predict_logits, run_config
 from .runtime import die_with_launcher
-from .predict import inference_accelerator, label_names, predict_logits
+from .task import Task
 
 REPORT = "report.json"
-CONFUSION_MATRIX = "confusion_matrix.png"
+PICTURES = {"single_label": "confusion_matrix.png", "regression": "predicted_vs_true.png"}
 
 
-def scores(references: list[int], predictions: list[int], names: list[str]) -> dict:
-    """The same accuracy and macro-F1 as training's evaluation, plus the per-class table and matrix."""
+def task_scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
+    """The task's scores as training's evaluation computes them; macro-F1 over every class the model has."""
+    labels = list(range(len(names))) if task.kind == "single_label" else None
+    return compute_scores(task.kind, predictions, references, labels=labels)
+
+
+def scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
+    """The task's scores, the per-class (single_label) or per-label (multi_label) table, and the confusion
+    matrix (single_label)."""
+    single = task.kind == "single_label"
     labels = list(range(len(names)))
-    overall = classification_scores(predictions, references, labels=labels)
-    per_class = classification_report(references, predictions, labels=labels, target_names=names,
-                                      output_dict=True, zero_division=0)
-    return {
-        "samples": len(references),
-        "accuracy": overall["accuracy"],
-        "macro_f1": overall["f1"],
-        "per_class": {name: {"precision": per_class[name]["precision"], "recall": per_class[name]["recall"],
-                             "f1": per_class[name]["f1-score"], "support": int(per_class[name]["support"])}
-                      for name in names},
-        "labels": names,
-        # rows: true label, columns: predicted label
-        "confusion_matrix": confusion_matrix(references, predictions, labels=labels).tolist(),
-    }
+    report = {"samples": len(references), **task_scores(task, references, predictions, names)}
+    if task.kind == "regression":
+        return report
+    table = classification_report(references, predictions, labels=labels, target_names=names, output_dict=True,
+                                  zero_division=0)
+    report["per_class" if single else "per_label"] = {
+        name: {"precision": table[name]["precision"], "recall": table[name]["recall"], "f1": table[name]["f1-score"],
+               "support": int(table[name]["support"])} for name in names}
+    report["labels"] = names
+    if single:  # rows: true label, columns: predicted label
+        report["confusion_matrix"] = confusion_matrix(references, predictions, labels=labels).tolist()
+    return report
+
+
+def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path: str) -> Dataset:
+    """The examples the model was trained on, rebuilt as train.py builds them from the run's config (data,
+    eval_data, eval_split, seed): all of `data` when the run had eval_data, else the same held-out split."""
+    if cfg.data != DEFAULT_DATA and not os.path.exists(cfg.data):
+        raise InputError(f"the baseline is fitted on the model's training data, {cfg.data}, which is not found "
+                         "here; pass it with --train_data (or leave the baseline out with --no_baseline)")
+    if cfg.eval_data:
+        columns = (task.text_column, task.label_column, task.text_pair_column)
+        table = load_table(cfg.data, cfg.delimiter, cfg.encoding)
+        train, train_names = labelled(select_columns(table, cfg.data, *columns), cfg.data, task)
+    else:
+        train, _, train_names = load_splits(cfg.data, None, task, cfg.eval_split, cfg.seed, cfg.delimiter, cfg.encoding)
+    if train_names != names:
+        raise InputError(f"the training data {cfg.data} has labels {', '.join(train_names)}; the model has "
+                         f"{', '.join(names)}: pass the data it was trained on with --train_data")
+    trained_on = read_training(model_path).get("data_fingerprint")
+    if trained_on and fingerprint(train) != trained_on:
+        print(f"warning: the examples of {cfg.data} are not those {model_path} was trained on; the baseline is "
+              "fitted on them all the same", file=sys.stderr)
+    return train
 
 
 def font_covering(texts: list[str]) -> Optional[str]:
@@ -67,15 +104,31 @@ def font_covering(texts: list[str]) -> Optional[str]:
     return None
 
 
-def draw_confusion_matrix(report: dict, path: str) -> None:
+def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise InputError("drawing the confusion matrix needs matplotlib: pip install matplotlib") from None
+        raise InputError("drawing the report's picture needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: str) -> None:
+    """Write the picture through a temporary file and a rename, then let the figure go."""
+    figure.tight_layout()
+    tmp = f"{path}.incomplete.png"
+    figure.savefig(tmp, dpi=120)
+    pyplot().close(figure)
+    os.replace(tmp, path)
+
+
+def draw_confusion_matrix(report: dict, title: str, path: str) -> None:
+    import matplotlib
     from sklearn.metrics import ConfusionMatrixDisplay
 
+    plt = pyplot()
     names = report["labels"]
     font = font_covering(names)
     if font is None:
@@ -87,46 +140,81 @@ def draw_confusion_matrix(report: dict, path: str) -> None:
         figure, axes = plt.subplots(figsize=(size + 1, size))
         display = ConfusionMatrixDisplay(np.array(report["confusion_matrix"]), display_labels=tick_labels)
         display.plot(ax=axes, cmap="Blues", xticks_rotation=45, colorbar=True)
-        axes.set_title(f"accuracy {report['accuracy']:.4f}, macro-F1 {report['macro_f1']:.4f}, "
-                       f"{report['samples']} examples")
-        figure.tight_layout()
-        tmp = f"{path}.incomplete.png"
-        figure.savefig(tmp, dpi=120)
-        plt.close(figure)
-    os.replace(tmp, path)
+        axes.set_title(title)
+        save_figure(figure, path)
+
+
+def draw_predicted_vs_true(references: list[float], predictions: list[float], title: str, path: str) -> None:
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(6, 6))
+    axes.scatter(references, predictions, s=8, alpha=0.5)
+    low, high = min(references + predictions), max(references + predictions)
+    axes.plot([low, high], [low, high], color="gray", linewidth=1, label="predicted = true")
+    axes.set(xlabel="true score", ylabel="predicted score", title=title, aspect="equal")
+    axes.legend(loc="upper left")
+    save_figure(figure, path)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m textclf.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
-    parser.add_argument("--file", required=True, help="labelled data: CSV, JSON Lines, JSON or a `datasets` folder")
-    parser.add_argument("--text_column", default="review", help="the column that holds the text")
-    parser.add_argument("--label_column", default="label", help="the column that holds the true label")
-    parser.add_argument("--output_dir", required=True, help=f"where {REPORT} and {CONFUSION_MATRIX} go")
+    parser.add_argument("--file", required=True, help="labelled data, in any format --data takes")
+    add_task_options(parser)
+    parser.add_argument("--label_column", help="the column that holds the true label (default: the training run's)")
+    parser.add_argument("--label_separator", help="multi_label: what separates the names in a CSV label cell "
+                                                  "(default: the training run's)")
+    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
+    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
+    parser.add_argument("--output_dir", required=True, help=f"where {REPORT} and the picture go")
+    parser.add_argument("--train_data", help="the baseline's training data (default: the training run's `data`, "
+                                             "split as the run split it)")
+    parser.add_argument("--no_baseline", action="store_true", help="leave the TF-IDF + linear baseline out")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
     parser.add_argument("--allow_pickle", action="store_true",
                         help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
     args = parser.parse_args(argv)
     transformers_logging.disable_progress_bar()
 
+    options = ("task", "text_column", "text_pair_column", "threshold", "label_column", "label_separator")
+    cfg = run_config(args.model, {**{key: getattr(args, key) for key in options}, "data": args.train_data})
+    task = Task.from_config(cfg)
     accelerator = inference_accelerator()
     model, tokenizer = load_trained(args.model, args.allow_pickle)
     names = label_names(model)
-    table = select_columns(load_table(args.file), args.file, args.text_column, args.label_column)
-    table = encode_labels(table, names, args.file)  # a label the model does not know stops here
-    logits = predict_logits(model, tokenizer, table["text"], batch_size=args.batch_size, accelerator=accelerator,
-                            progress=True)
+    columns = (task.text_column, task.label_column, task.text_pair_column)
+    # A label the model does not know stops it here.
+    table = load_table(args.file, args.delimiter, args.encoding)
+    table, _ = labelled(select_columns(table, args.file, *columns), args.file, task, names)
+    knows_training_data = bool(args.train_data or read_training(args.model))
+    train = training_examples(cfg, task, names, args.model) if knows_training_data and not args.no_baseline else None
+    pairs = table["text_pair"][:] if task.text_pair_column else None
+    logits = predict_logits(model, tokenizer, table["text"][:], pairs, batch_size=args.batch_size,
+                            accelerator=accelerator, progress=True)
     if accelerator.is_main_process:
-        references, predictions = table["labels"], logits.argmax(dim=-1).tolist()
-        report = scores(references, predictions, names)
-        print(f"accuracy {report['accuracy']:.4f} | macro-F1 {report['macro_f1']:.4f} | "
-              f"{report['samples']} examples of {args.file}")
-        print(classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
-                                    digits=4, zero_division=0))
+        references, predictions = table["labels"][:], task.predictions(logits).tolist()
+        report = {"model": args.model, "file": args.file, "task": task.kind,
+                  **scores(task, references, predictions, names)}
+        print(f"model:    {task.summary(report, prefix='', separator=' | ')} | {len(table)} examples of {args.file}")
+        if train is not None:
+            baseline, about = baseline_predictions(task, train, table)
+            report["baseline"] = {**about, **task_scores(task, references, baseline, names)}
+            print(f"baseline: {task.summary(report['baseline'], prefix='', separator=' | ')} | {about['method']}, "
+                  f"fitted in {about['fit_seconds']:.1f} s on the {about['train_examples']} examples the model "
+                  "was trained on")
+        elif not args.no_baseline:
+            print(f"baseline: none ({args.model} does not say what it was trained on; pass --train_data)")
+        if task.kind != "regression":
+            print(classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
+                                        digits=4, zero_division=0))
         os.makedirs(args.output_dir, exist_ok=True)
-        write_json(os.path.join(args.output_dir, REPORT), {"model": args.model, "file": args.file, **report})
-        draw_confusion_matrix(report, os.path.join(args.output_dir, CONFUSION_MATRIX))
-        print(f"wrote {REPORT} and {CONFUSION_MATRIX} to {args.output_dir}")
+        write_json(os.path.join(args.output_dir, REPORT), report)
+        picture = PICTURES.get(task.kind)
+        title = f"{task.summary(report, prefix='')}, {report['samples']} examples"
+        if task.kind == "single_label":
+            draw_confusion_matrix(report, title, os.path.join(args.output_dir, picture))
+        elif task.kind == "regression":
+            draw_predicted_vs_true(references, predictions, title, os.path.join(args.output_dir, picture))
+        print(f"wrote {REPORT}{f' and {picture}' if picture else ''} to {args.output_dir}")
     accelerator.end_training()
 
 

@@ -1,0 +1,60 @@
+"""The baseline a report stands the model beside: a TF-IDF of character 1-3-grams (sublinear term
+frequency) and a linear model, fitted on the examples the model was trained on. It takes seconds on a
+CPU (the default job's 15,626 reviews: 6.5 s here, 5.3 s of it building the n-grams), so a user sees
+at once whether fine-tuning beat it.
+
+    single_label   logistic regression
+    multi_label    one logistic regression per label (one-vs-rest)
+    regression     ridge regression
+
+Character n-grams need no word segmentation (Chinese has no spaces). For pairs, each text is a vector
+of its own and their elementwise product adds the n-grams the two share.
+"""
+
+import time
+
+import numpy as np
+import scipy.sparse
+from datasets import Dataset
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.multiclass import OneVsRestClassifier
+
+from .task import Task
+
+MODELS = {"single_label": "logistic regression", "multi_label": "one-vs-rest logistic regression",
+          "regression": "ridge regression"}
+
+
+def features(vectorizer: TfidfVectorizer, table: Dataset, fit: bool = False):
+    """One row per example: the text's n-grams, or for a pair both texts' and what they share. With `fit`,
+    the vectorizer first learns its vocabulary and idf from every text (each is analysed once)."""
+    texts = table["text"][:]
+    pairs = table["text_pair"][:] if "text_pair" in table.column_names else []
+    matrix = (vectorizer.fit_transform if fit else vectorizer.transform)(texts + pairs)
+    if not pairs:
+        return matrix
+    text, pair = matrix[:len(texts)], matrix[len(texts):]
+    return scipy.sparse.hstack([text, pair, text.multiply(pair)]).tocsr()
+
+
+def baseline_predictions(task: Task, train: Dataset, test: Dataset) -> tuple[list, dict]:
+    """(predictions on `test` in the form the task's scores take, what was fitted and how long it took).
+
+    `train` and `test` have the columns load_splits gives (`text`, `text_pair` for pairs, `labels`).
+    """
+    start = time.perf_counter()
+    vectorizer = TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True)
+    train_features = features(vectorizer, train, fit=True)
+    labels = np.asarray(train["labels"][:])
+    # saga: on these features it fits the default job's 15,626 reviews in 1.3 s of CPU where lbfgs (the
+    # default) took 10 s; 1000 iterations, because at 100 it stopped short of converging on small data sets.
+    classifier = LogisticRegression(solver="saga", max_iter=1000, random_state=0)  # saga shuffles: seeded
+    model = {"single_label": classifier, "multi_label": OneVsRestClassifier(classifier),
+             "regression": Ridge()}[task.kind]
+    model.fit(train_features, labels.astype(int) if task.kind == "multi_label" else labels)
+    seconds = time.perf_counter() - start
+    predictions = model.predict(features(vectorizer, test))
+    about = {"method": f"TF-IDF of character 1-3-grams + {MODELS[task.kind]}", "train_examples": len(train),
+             "fit_seconds": round(seconds, 2)}
+    return predictions.tolist(), about
