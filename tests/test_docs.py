@@ -1,11 +1,15 @@
 """The documentation against the code: every train.py flag that the README and docs/*.md name exists, and what
 the README's examples write is ignored by git. Pages added to docs/ later are covered too."""
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
-from conftest import REPO
+import pytest
+
+from conftest import OFFLINE, REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -53,3 +57,73 @@ def test_what_the_readme_s_examples_write_is_ignored_by_git():
     assert not tracked, f"outputs of documented commands that git would show as untracked: {tracked}"
 
 
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, command, what the page shows it printing) for each command of the pages: every line of a
+    ```bash block (continuation lines joined), and every `$ ` line of a plain block with the lines after it."""
+    found = []
+    for page in PAGES:
+        block, shown = None, None
+        for line in page.read_text(encoding="utf-8").replace("\\\n", " ").splitlines():
+            if line.startswith("```"):
+                block, shown = (None if block is not None else line[3:]), None
+            elif block == "bash" and line.strip():
+                found.append((page.name, line.strip(), []))
+            elif block == "" and line.startswith("$ "):
+                shown = []
+                found.append((page.name, line[2:].strip(), shown))
+            elif shown is not None:
+                shown.append(line)
+    return found
+
+
+# What a test cannot run as written here, and why; everything else the pages give is run below.
+NOT_RUN = {
+    r"^python3 -m venv|pip install": "the setup, which CI runs on a clean clone",
+    r"-m pytest": "the test suite itself",
+    r"\bsbatch\b": "needs SLURM",
+    r"scripts/gpu_": "needs a GPU machine (docs/gpu.md)",
+    r"--model (?![./]|checkpoints/)[\w.-]+/|--model bert-base-chinese": "a hub model: needs the network",
+    r"\btrain\.py\b": "trains: test_train.py, test_zoo.py and test_families.py run train.py so",
+    r"textclf\.(export|predict|report)\b": "needs a trained model: test_export.py, test_predict.py, test_report.py",
+    r"-m benchmarks": "takes minutes: test_bench.py runs it --quick",
+    r"^accelerate config\s*(#|$)": "asks its questions on a terminal",
+}
+
+
+def missing_lines(shown: list[str], printed: str) -> list[str]:
+    """The lines the page shows that the command did not print: a `label   value` line by its label
+    (values depend on the machine and the cache), any other line whole."""
+    printed_lines = printed.splitlines()
+    missing = []
+    for line in shown:
+        if line.strip() in ("", "...") or line.startswith(" "):
+            continue
+        label = re.split(r"\s{2,}", line)[0]
+        wanted = (lambda got: re.match(re.escape(label) + r"\s{2,}", got)) if label != line else (lambda got: got == line)
+        if not any(wanted(got) for got in printed_lines):
+            missing.append(line)
+    return missing
+
+
+@pytest.mark.slow
+def test_the_documented_commands_that_need_no_training_run_as_written(tmp_path):
+    """Run in the repository root as a user would type them (the virtual environment's python and
+    accelerate first on PATH), in order, with accelerate's config folder in tmp_path: what the page shows
+    them print is printed, and they succeed unless the page shows a conflict or an error."""
+    env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "huggingface"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    ran = []
+    for page, command, shown in documented_commands():
+        if any(re.search(pattern, re.sub(r"\s+#.*", "", command)) for pattern in NOT_RUN):
+            continue
+        result = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=300)
+        printed = result.stdout + result.stderr
+        refused = any(line.startswith(("conflict:", "error:")) for line in shown)
+        assert (result.returncode != 0) == refused, f"{page}: {command}\n{printed[-3000:]}"
+        assert not missing_lines(shown, printed), f"{page}: {command} did not print\n{printed[-3000:]}"
+        ran.append(command)
+    assert any("accelerate config default" in command for command in ran)
+    assert sum("textclf.check" in command for command in ran) >= 4, ran
