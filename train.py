@@ -8,8 +8,12 @@
 Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model).
 """
 
+from textclf.errors import InputError, die_with_launcher, run_command
+
+if __name__ == "__main__":
+    die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
+
 from textclf.config import TrainConfig, parse_config
-from textclf.errors import InputError, run_command
 
 if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s).
@@ -31,7 +35,7 @@ from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, die_with_launcher, exit_finished_run, make_accelerator
+from textclf.runtime import describe, exit_finished_run, make_accelerator
 from textclf.task import Task
 
 
@@ -191,6 +195,5 @@ def main(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/runtime.py)
     run_command(lambda: main(cfg))  # bad input: one `error:` line, exit code 2
     exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
     peak_rss, peak_gpu, rank_of = {}, {}, {}
     launched_at = time.time()
     with open(console, "w", encoding="utf-8") as out:
-        # A session of its own: a timeout (or Ctrl-C here) stops the launcher and all its ranks together.
+        # A session of its own: a Ctrl-C in the terminal reaches the benchmark alone, which stops the row.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         root = psutil.Process(proc.pid)
         try:
@@ -68,10 +67,10 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
                         if rank is not None and parent_env is not None and "RANK" not in parent_env:
                             rank_of[p.pid] = int(rank)
                 time.sleep(SAMPLE_EVERY_S)
-        finally:
+        finally:  # past the time limit, or the benchmark itself stopped (SIGTERM, Ctrl-C)
             timed_out = proc.poll() is None
             if timed_out:
-                safe(os.killpg, proc.pid, signal.SIGKILL)
+                stop_tree(root)
                 proc.wait()
     ranks = sorted(rank_of, key=rank_of.get) or [proc.pid]
     mb = 2 ** 20
@@ -80,6 +79,14 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
             "peak_rss_mb_per_rank": [round(peak_rss.get(pid, 0) / mb) for pid in ranks],
             "peak_device_mb_per_rank": [round(peak_gpu.get(pid, 0) / mb) for pid in ranks]
             if torch.cuda.is_available() else None}
+
+
+def stop_tree(root: psutil.Process) -> None:
+    """Kill a launch: its launcher and every process under it. Not the launcher's process group alone:
+    torchrun starts each rank in a session of its own, and a rank still importing has not yet tied its
+    life to the launcher's (errors.die_with_launcher)."""
+    for process in [root, *safe(root.children, recursive=True, default=[])]:
+        safe(process.kill)
 
 
 def safe(fn, *args, default=None, **kwargs):

@@ -399,6 +399,23 @@ def test_a_stopped_inference_launch_leaves_no_process_behind(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "timeout"])
+def test_a_benchmark_stopped_mid_row_leaves_no_process_behind(tmp_path, reviews_csv, how):
+    """The benchmark runs each row in a session of its own (so that a terminal's Ctrl-C reaches the
+    benchmark alone); stopped while a row's two ranks train, it stops them, and the rows after it never start."""
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", "cpu,single_small", "--data", str(reviews_csv),
+               "--output_dir", str(tmp_path)]
+    process = launch(["timeout", "900", *command] if how == "timeout" else command)
+    wait_until(lambda: len(ranks_of(process, "train.py")) == 2, "the cpu row's ranks have started")
+    started = descendants(process)
+    stop(process, how)
+    output = finish(process, timeout=300)
+    assert process.returncode != 0, output[-3000:]
+    wait_until(lambda: all_gone(started), "every process of the benchmark has ended", timeout=120)
+    assert not (tmp_path / "runs" / "single_small").exists(), output[-3000:]
+
+
+@pytest.mark.slow
 def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_behind(tmp_path, args):
     out = tmp_path / "out"
     process = launch(["timeout", "900", *train_command([*args, "--max_steps", 500, "--output_dir", out], CPU_YAML)])

@@ -123,7 +123,7 @@ def saving(out):
 
 def kill(process):
     """SIGKILL to the launcher's group, which does not hold the ranks (torchrun starts each in a session of
-    its own): they die with their launcher all the same (runtime.die_with_launcher), or they would train
+    its own): they die with their launcher all the same (errors.die_with_launcher), or they would train
     on into the folder that the next run resumes from."""
     ranks = psutil.Process(process.pid).children(recursive=True)
     os.killpg(process.pid, signal.SIGKILL)

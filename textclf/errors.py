@@ -7,6 +7,7 @@ of the failed ranks (torch's ChildFailedError) below it; that report quotes the 
 cause instead of pointing to a traceback a user's error does not have.
 """
 
+import ctypes
 import json
 import os
 import resource
@@ -94,3 +95,20 @@ def checked_on_main_process(accelerator, check) -> None:
     message = broadcast_object_list([message])[0]
     if message is not None:
         raise InputError(message)
+
+
+def die_with_launcher() -> None:
+    """Under torchrun (`accelerate launch` with several processes), end when the launcher ends.
+
+    torchrun starts each rank in a session of its own and stops them when it is stopped (SIGTERM,
+    SIGINT, `timeout`), but a launcher killed outright (SIGKILL, the OOM killer) stops nothing: its
+    ranks would train on, unseen, into the same output_dir. The kernel kills them instead
+    (PR_SET_PDEATHSIG). A plain `python train.py` keeps running when its shell exits (nohup). Called
+    first thing, before the heavy imports: a launcher killed before this line runs is not seen.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+    if os.getppid() != parent:  # the launcher ended before the line above
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -26,10 +26,9 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
 from .config import TrainConfig
-from .errors import InputError, run_command
+from .errors import InputError, die_with_launcher, run_command
 from .data import length_sorted_loader, read_inputs, tokenize
 from .loading import load_trained, read_training
-from .runtime import die_with_launcher
 from .task import KINDS, Task
 
 OUTPUT_FORMATS = (".csv", ".jsonl")

@@ -26,11 +26,10 @@ from .baseline import baseline_predictions
 from .checkpoint import write_json
 from .config import TrainConfig
 from .data import DEFAULT_DATA, fingerprint, labelled, load_splits, load_table, select_columns
-from .errors import InputError, run_command
+from .errors import InputError, die_with_launcher, run_command
 from .loading import load_trained, read_training
 from .metrics import compute_scores
 from .predict import add_task_options, inference_accelerator, label_names, predict_logits, run_config
-from .runtime import die_with_launcher
 from .task import Task
 
 REPORT = "report.json"

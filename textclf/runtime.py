@@ -1,6 +1,5 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
-import ctypes
 import logging
 import os
 import platform
@@ -165,22 +164,6 @@ def exit_finished_run() -> None:
         sys.stderr.flush()
         os._exit(0)
 
-
-
-def die_with_launcher() -> None:
-    """Under torchrun (`accelerate launch` with several processes), end when the launcher ends.
-
-    torchrun starts each rank in a session of its own and stops them when it is stopped (SIGTERM,
-    SIGINT, `timeout`), but a launcher killed outright (SIGKILL, the OOM killer) stops nothing: its
-    ranks would train on, unseen, into the same output_dir. The kernel kills them instead
-    (PR_SET_PDEATHSIG). A plain `python train.py` keeps running when its shell exits (nohup).
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
-    if os.getppid() != parent:  # the launcher ended before the line above
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # DeepSpeed's C++ ops that launches compile at first use, by the names DeepSpeed's accelerator knows their
