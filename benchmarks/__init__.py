@@ -10,5 +10,7 @@ measures is what train.py does.
     measure.py    running a row and measuring it; the data and the model's shape of each job
     report.py     bench.md, bench.json and bench.png
     baselines.py  the plain PyTorch loop and the HF Trainer, launched as rows beside train.py
+    decoder.py    the decoder job: a 0.5B decoder's peak memory per rank under DDP and ZeRO, beside the
+                  check's prediction (python -m benchmarks.decoder)
     __main__.py   the command
 """

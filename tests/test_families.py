@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (FAMILIES, PROBE_TEXTS, REPO, assert_pipeline_predicts_like_the_trained_model, assert_refused,
-                      losses, moved_away, read_csv, read_log, run_module, run_train)
+from conftest import (PROBE_TEXTS, REPO, assert_pipeline_predicts_like_the_trained_model, assert_refused, losses,
+                      moved_away, read_csv, read_log, run_module, run_train)
+from families import FAMILIES
 from test_resume import assert_same_run
 from textclf import check
 from textclf.config import parse_config

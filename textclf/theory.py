@@ -40,14 +40,14 @@ def training_flops_per_token(non_embedding_params: int, trainable_non_embedding:
 
 # Resident memory of a training process before its model: Python, torch, transformers, accelerate (and
 # DeepSpeed), the data and the tokenizer. Measured per rank on this 2-core CPU machine, just before the
-# model loads, under DDP and ZeRO-2/3 alike (scripts/decoder_memory.py: 0.46 to 0.53 GiB).
+# model loads, under DDP and ZeRO-2/3 alike (benchmarks/decoder.py: 0.46 to 0.53 GiB).
 FRAMEWORK_BASELINE_BYTES = 0.55e9
 
 
 def framework_buffer_bytes(params: int, trainable: int, *, world: int, stage: int, layout: str, strategy: str,
                            live_parameters: float = 0) -> dict[str, float]:
     """Bytes per rank that DDP and DeepSpeed hold beyond the paper's model states (measured on a 0.5B decoder:
-    scripts/decoder_memory.py).
+    benchmarks/decoder.py).
 
     DDP keeps its gradient buckets beside the gradients (a second copy, unless gradient_as_bucket_view).
     DeepSpeed's optimizer steps an fp32 partition of the weights with an fp32 gradient of its own, beside

@@ -1,9 +1,10 @@
-"""Peak memory per rank of a 0.5B decoder classifier under DDP, ZeRO-2, ZeRO-3 and ZeRO-3 offload,
-beside the ZeRO-paper theory and what `python -m textclf.check` predicts for the same launch.
+"""The benchmark's decoder job: peak memory per rank of a 0.5B decoder classifier under DDP, ZeRO-2,
+ZeRO-3 and ZeRO-3 offload, beside the ZeRO-paper theory and what `python -m textclf.check` predicts for
+the same launch. Weights this size make the sharding show, which the default job's cannot.
 
-    python scripts/decoder_memory.py --output_dir /tmp/decoder_memory            # every launch
-    python scripts/decoder_memory.py --output_dir /tmp/decoder_memory zero3.yaml # some of them
-    python scripts/decoder_memory.py --output_dir /tmp/decoder_memory_8 --layers 8   # 255M, where 0.5B won't fit
+    python -m benchmarks.decoder --output_dir bench_out/decoder             # every launch
+    python -m benchmarks.decoder --output_dir bench_out/decoder zero3.yaml  # some of them
+    python -m benchmarks.decoder --output_dir bench_out/decoder_8 --layers 8   # 255M, where 0.5B won't fit
 
 The model is built from the public Qwen2.5-0.5B config values (hidden 896, 24 layers, 14 heads, 2
 key-value heads, intermediate 4864, vocabulary 151,936: 494M parameters with its classification head)
@@ -15,15 +16,15 @@ high-water mark of its resident memory (VmHWM in /proc/<pid>/status), read until
 resident memory is also sampled every 0.5 s, to tell the training steps from the export at the end.
 A launch is stopped if the machine's available memory falls under 0.5 GiB (there is no swap here),
 and its ranks are the first the kernel ends should memory run out.
-Writes <output_dir>/results.json and prints a table.
+Writes <output_dir>/results.json and prints a table (docs/models.md holds the one measured here).
 """
 
 import argparse
+import csv
 import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -31,10 +32,11 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))  # the family builders of the test suite
-from conftest import OFFLINE, free_port, read_csv, save_family_model, write_csv  # noqa: E402
+from .measure import stop_tree
+from .plan import OFFLINE, REPO, free_port
+
+sys.path.insert(0, str(REPO / "tests"))  # the test suite's family builders: a Qwen2-shaped model and tokenizer
+from families import save_family_model  # noqa: E402
 
 LAUNCHES = ["cpu.yaml", "zero2.yaml", "zero3.yaml", "zero3_offload.yaml"]
 # Qwen2.5-0.5B's config.json on the hub, the values that size the model.
@@ -53,14 +55,17 @@ def build(output_dir: Path, layers: int) -> tuple[Path, Path]:
     data = output_dir / "reviews.csv"
     model = output_dir / f"qwen2-{layers}-layers"
     if not data.exists():
-        load_table(str(REPO / DEFAULT_DATA))  # builds the default corpus at first use
-        rows = read_csv(REPO / DEFAULT_DATA)
+        rows = load_table(DEFAULT_DATA).to_list()  # builds the default corpus at first use
         random.Random(0).shuffle(rows)
         picked = [r for label in ("negative", "positive") for r in [r for r in rows if r["label"] == label][:120]]
-        write_csv(data, [{"label": r["label"], "review": r["review"][:60]} for r in picked])
+        with open(data, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["label", "review"])
+            writer.writeheader()
+            writer.writerows({"label": r["label"], "review": r["review"][:60]} for r in picked)
     if not (model / "model.safetensors").exists():
-        save_family_model("qwen2", [row["review"] for row in read_csv(data)], model,
-                          **{**QWEN2_5_0_5B, "num_hidden_layers": layers})
+        with open(data, encoding="utf-8", newline="") as f:
+            texts = [row["review"] for row in csv.DictReader(f)]
+        save_family_model("qwen2", texts, model, **{**QWEN2_5_0_5B, "num_hidden_layers": layers})
     return data, model
 
 
@@ -102,11 +107,7 @@ def measure(yaml_name: str, data: Path, model: Path, output_dir: Path) -> dict:
             timeline.append(sample)
             if psutil.virtual_memory().available < STOP_BELOW:
                 stopped = f"stopped at {sample['t']} s: available memory under {STOP_BELOW / 2 ** 30:.1f} GiB"
-                for pid in [*ranks, proc.pid]:  # torchrun starts each rank in a session of its own
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                stop_tree(psutil.Process(proc.pid))
                 proc.wait()
                 break
             time.sleep(0.5)
@@ -140,24 +141,36 @@ def main() -> None:
                         "24 GB that other work shares (DDP of the 0.5B needs about 2 x 11 GB)")
     parser.add_argument("launches", nargs="*", default=LAUNCHES, help="zoo files to launch (default: all four)")
     args = parser.parse_args()
+    args.output_dir = args.output_dir.resolve()
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    os.chdir(REPO)  # where the launches run, and where the default corpus is built
     data, model = build(args.output_dir, args.layers)
     results_path = args.output_dir / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for name in args.launches:
-        print(f"[decoder_memory] {name} ...", flush=True)
+        print(f"[decoder] {name} ...", flush=True)
         results[name] = measure(name, data, model, args.output_dir)
         results_path.write_text(json.dumps(results, indent=1))
     for name, result in results.items():  # the check of each launch, with the check as it is now
         result["check"] = predict(name, result["args"])
-        found = re.search(r"^peak per rank\s+([\d.]+) GiB", result["check"], re.M)
-        result["predicted_gib"] = float(found.group(1)) if found else None
+        result["theory_gib"] = check_figure("memory per rank", result["check"])
+        result["predicted_gib"] = check_figure("peak per rank", result["check"])
     results_path.write_text(json.dumps(results, indent=1))
-    print(f"{'launch':<20}{'exit':>5}{'peak GiB/rank':>18}{'until last step':>18}{'check predicts':>16}")
+    print(f"{'launch':<20}{'exit':>5}{'peak GiB/rank':>18}{'until last step':>18}{'theory (states)':>17}"
+          f"{'check predicts':>16}")
     for name, r in results.items():
         print(f"{name:<20}{r['exit_code']!s:>5}{' / '.join(map(str, r['peak_gib_per_rank'])):>18}"
-              f"{' / '.join(map(str, r['peak_gib_per_rank_until_last_step'])):>18}{r['predicted_gib']!s:>16}"
-              + (f"  {r['stopped']}" if r["stopped"] else ""))
+              f"{' / '.join(map(str, r['peak_gib_per_rank_until_last_step'])):>18}{r['theory_gib']!s:>17}"
+              f"{r['predicted_gib']!s:>16}" + (f"  {r['stopped']}" if r["stopped"] else ""))
+
+
+def check_figure(label: str, check_output: str):
+    """A figure of the check's output in GiB: the model states per rank by the ZeRO paper ("memory per
+    rank") or its predicted peak ("peak per rank")."""
+    found = re.search(rf"^{label}\s+([\d.]+) (MiB|GiB)", check_output, re.M)
+    if not found:
+        return None
+    return round(float(found.group(1)) / (1024 if found.group(2) == "MiB" else 1), 2)
 
 
 if __name__ == "__main__":
