@@ -12,6 +12,8 @@ Rows, each a subprocess started the way a user starts it, one after another:
   with the reason they were skipped.
 - the baselines of benchmarks/baselines.py: `plain_pytorch` (a hand-written loop on the same
   batches), `hf_trainer` (transformers.Trainer, settings equal to train.py's), `hf_trainer_default`.
+- on a GPU, `single_bf16`, `plain_pytorch_bf16` and `hf_trainer_bf16`: the same three in bf16 autocast,
+  held against the GPU's bf16 matmul rate.
 A job trains one epoch of a seeded sample of the data, so every row trains on the same examples,
 in whatever order its sampler draws them. A second job trains a BERT-base-sized model (built from
 config, no download) through train.py and the plain loop, to compare model FLOP/s with the FLOP/s
@@ -41,8 +43,8 @@ from textclf.config import TrainConfig
 from textclf.data import DEFAULT_DATA
 from textclf.errors import run_command
 
-from .measure import (describe_machine, epoch_padding, job_data, matmul_limit, median_run, prepare_job, run_row,
-                      warm_deepspeed_ops)
+from .measure import (describe_machine, epoch_padding, job_data, limit_of, matmul_limit, median_run, prepare_job,
+                      run_row, warm_deepspeed_ops)
 from .plan import OFFLINE, REPO, plan_jobs, plan_rows, rounds_dirs
 from .report import write_report
 
@@ -81,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     def run_measured(row, job, files, shape, runs_dir):
         result = run_row(row, job, files, shape, runs_dir)
         matmuls.append(matmul_limit(matmul_repeats))
-        result["matmul_limit"] = max(matmuls[-2:], key=lambda m: m["flops_per_s"])
+        result["matmul_limit"] = max(matmuls[-2:], key=lambda m: limit_of(row, m))
         return result
 
     sections = []

@@ -65,6 +65,8 @@ def plain_pytorch(cfg: TrainConfig) -> None:
     total_steps = cfg.max_steps
     scheduler = get_linear_schedule_with_warmup(optimizer, round(cfg.warmup_ratio * total_steps), total_steps)
 
+    # --mixed_precision bf16: computations in bf16 over fp32 weights, as accelerate's autocast does for train.py.
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
     step, window = 0, Window()
     model.train()
     for epoch in range(math.ceil(total_steps / len(train_loader))):
@@ -72,7 +74,8 @@ def plain_pytorch(cfg: TrainConfig) -> None:
             train_loader.sampler.set_epoch(epoch)  # the epoch's order, drawn as train.py draws it
         for batch in train_loader:
             batch = {name: tensor.to(device) for name, tensor in batch.items()}
-            loss = model(**batch).loss
+            with autocast:
+                loss = model(**batch).loss
             loss.backward()
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -88,7 +91,7 @@ def plain_pytorch(cfg: TrainConfig) -> None:
 
     model.eval()
     predictions, references = [], []
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         for batch in eval_loader:
             batch = {name: tensor.to(device) for name, tensor in batch.items()}
             predictions += model(**batch).logits.argmax(dim=-1).tolist()
@@ -101,7 +104,7 @@ def plain_pytorch(cfg: TrainConfig) -> None:
 def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     """transformers.Trainer on the same model and data: with train.py's settings, or at its defaults.
 
-    Either way model, data, batch size, steps and seed are the job's. At its defaults the Trainer
+    Either way model, data, batch size, steps, seed and precision are the job's. At its defaults the Trainer
     uses lr 5e-5, no warmup, no weight decay, random batches, fused AdamW and logs every 500 steps.
     """
     train_set, eval_set, tokenizer, model = prepare(cfg)
@@ -113,8 +116,9 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
         return pending[-1]
 
     settings = dict(output_dir=cfg.output_dir, max_steps=cfg.max_steps, seed=cfg.seed,
-                    per_device_train_batch_size=cfg.per_device_train_batch_size, report_to="none",
-                    save_strategy="no", disable_tqdm=True)
+                    per_device_train_batch_size=cfg.per_device_train_batch_size, bf16=cfg.mixed_precision == "bf16",
+                    use_cpu=not torch.cuda.is_available(),  # what it does anyway, but bf16 on a CPU must be told so
+                    report_to="none", save_strategy="no", disable_tqdm=True)
     if equal_settings:
         settings.update(
             learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
@@ -145,8 +149,9 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] not in BASELINES:
         sys.exit(f"usage: python -m benchmarks.baselines {{{','.join(BASELINES)}}} <train.py options>")
     cfg = parse_config(argv[1:])
-    if not cfg.max_steps or cfg.gradient_accumulation_steps != 1 or cfg.lora:
-        sys.exit("the baselines run a fixed number of steps (--max_steps), without accumulation or LoRA")
+    if not cfg.max_steps or cfg.gradient_accumulation_steps != 1 or cfg.lora or cfg.mixed_precision == "fp16":
+        sys.exit("the baselines run a fixed number of steps (--max_steps), without accumulation or LoRA, in fp32 "
+                 "or bf16")
     os.makedirs(cfg.output_dir, exist_ok=True)
     if argv[0] == "plain_pytorch":
         plain_pytorch(cfg)

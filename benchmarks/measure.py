@@ -203,22 +203,38 @@ def device_state_bytes(params: int, trainable: int, processes: int, zero_stage: 
 
 
 def matmul_limit(repeats: int) -> dict:
-    """FLOP/s torch reaches on a large fp32 matmul here: the ceiling for model FLOP/s (median of repeats)."""
+    """FLOP/s torch reaches on a large matmul here, the ceiling for model FLOP/s (median of repeats): in
+    fp32, and on a GPU with bf16 also in bf16, the ceiling of the 16-bit rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = 8192 if device == "cuda" else 2048
-    a, b = (torch.randn(size, size, device=device) for _ in range(2))
-    seconds = []
-    for i in range(repeats + 3):  # three warm-up products
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:
-            seconds.append(time.perf_counter() - start)
-    return {"size": size, "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
-            "flops_per_s": 2 * size ** 3 / statistics.median(seconds)}
+
+    def rate(dtype) -> float:
+        a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+        seconds = []
+        for i in range(repeats + 3):  # three warm-up products
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 3:
+                seconds.append(time.perf_counter() - start)
+        return 2 * size ** 3 / statistics.median(seconds)
+
+    limit = {"size": size, "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
+             "flops_per_s": rate(torch.float32)}
+    if device == "cuda" and torch.cuda.is_bf16_supported():
+        limit["bf16_flops_per_s"] = rate(torch.bfloat16)
+    return limit
+
+
+def limit_of(row: dict, matmul: dict) -> float:
+    """The matmul rate a row is held against: bf16's for a 16-bit row where it was measured (a GPU), else
+    fp32's (a CPU's bf16 rows too: without native bf16 its matmuls are no faster)."""
+    if row.get("precision", "no") in ("bf16", "fp16") and "bf16_flops_per_s" in matmul:
+        return matmul["bf16_flops_per_s"]
+    return matmul["flops_per_s"]
 
 
 # --- data, model and DeepSpeed's ops, prepared once per job -----------------------------------------------

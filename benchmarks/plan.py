@@ -58,7 +58,8 @@ class BenchJob:
 def plan_jobs(quick: bool) -> list[BenchJob]:
     if quick:
         return [BenchJob("scratch-mini", steps=6, eval_rows=48, left_out="left out by --quick",
-                         rows=("single", "plain_pytorch", "hf_trainer", "cpu", "zero2")),
+                         rows=("single", "plain_pytorch", "hf_trainer", "single_bf16", "plain_pytorch_bf16",
+                               "hf_trainer_bf16", "cpu", "zero2")),
                 BenchJob("scratch-small", steps=4, eval_rows=48, rows=("single", "plain_pytorch"), suffix="_small")]
     return [BenchJob("scratch-mini", steps=60, eval_rows=1000),
             BenchJob("scratch-base", steps=8, train_rows=2160, eval_rows=240,
@@ -70,6 +71,12 @@ def plan_rows(job: BenchJob, cuda_devices: int) -> list[dict]:
     rows = [dict(name="single", what="python train.py", processes=1),
             *(dict(name=name, what=what, processes=1, baseline=name) for name, what in BASELINES.items()),
             dict(name="lora", what="python train.py --lora", processes=1, train_args=["--lora"], lora=True)]
+    # On a GPU the comparison that matters is in bf16: train.py, the plain loop and the Trainer, each autocast.
+    bf16 = dict(processes=1, precision="bf16", train_args=["--mixed_precision", "bf16"],
+                **({} if cuda_devices else {"skipped": "needs CUDA (bf16 on this CPU: cpu_bf16)"}))
+    rows += [dict(name="single_bf16", what="python train.py --mixed_precision bf16", **bf16),
+             *(dict(name=f"{name}_bf16", what=f"{BASELINES[name]}, bf16 autocast", baseline=name, **bf16)
+               for name in ("plain_pytorch", "hf_trainer"))]
     for path in sorted(ZOO.glob("*.yaml")):
         spec = yaml.safe_load(path.read_text(encoding="utf-8"))
         row = dict(name=path.stem, what=f"accelerate launch {path.name}", config_file=str(path.relative_to(REPO)),
@@ -123,7 +130,7 @@ def train_args(job: BenchJob, files: tuple[str, str], processes: int, output_dir
 
 def command(row: dict, args: list[str]) -> list[str]:
     if row.get("baseline"):
-        return [sys.executable, "-m", "benchmarks.baselines", row["baseline"], *args]
+        return [sys.executable, "-m", "benchmarks.baselines", row["baseline"], *args, *row.get("train_args", [])]
     if not row.get("config_file"):
         return [sys.executable, "train.py", *args, *row.get("train_args", [])]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", row["config_file"],

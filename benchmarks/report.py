@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .measure import PADDING_ORDERS, SAMPLE_EVERY_S
+from .measure import PADDING_ORDERS, SAMPLE_EVERY_S, limit_of
 
 
 def peak_mb(row: dict) -> int:
@@ -143,6 +143,15 @@ gradients and Adam states per rank by the ZeRO paper, 4+4+8 bytes per parameter 
 mixed precision."""
 
 
+def bf16_limits(matmuls: list[dict]) -> str:
+    """The bf16 matmul limit, where it was measured (a GPU with bf16): the 16-bit rows are held against it."""
+    limits = sorted(m["bf16_flops_per_s"] / 1e9 for m in matmuls if "bf16_flops_per_s" in m)
+    if not limits:
+        return ""
+    return (f"; in bf16 {limits[0]:.1f} to {limits[-1]:.1f} GFLOP/s, median {statistics.median(limits):.1f}, "
+            "the limit of the bf16 and fp16 rows")
+
+
 def write_report(out_dir: Path, machine: dict, matmuls: list[dict], padding: dict, sections: list[dict],
                  argv: list[str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +159,7 @@ def write_report(out_dir: Path, machine: dict, matmuls: list[dict], padding: dic
     for r in (r for r in rows if r.get("status") == "ok"):
         # The CPU's limit is measured on all its cores, which every row uses; a GPU's is per GPU.
         devices = r["processes"] if r["matmul_limit"]["device"] == "cuda" else 1
-        r["matmul_limit_flops_per_s"] = r["matmul_limit"]["flops_per_s"] * devices
+        r["matmul_limit_flops_per_s"] = limit_of(r, r["matmul_limit"]) * devices
         r["limit_fraction"] = r["model_flops_per_s"] / r["matmul_limit_flops_per_s"]
     matmul, limits = matmuls[0], sorted(m["flops_per_s"] / 1e9 for m in matmuls)
     with open(out_dir / "bench.json", "w", encoding="utf-8") as f:
@@ -163,8 +172,9 @@ def write_report(out_dir: Path, machine: dict, matmuls: list[dict], padding: dic
              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".",
              f"Matmul limit: {limits[0]:.1f} to {limits[-1]:.1f} GFLOP/s, median {statistics.median(limits):.1f} "
              f"(fp32 {matmul['size']}x{matmul['size']} on {matmul['device']}, {matmul['threads']} threads, median of "
-             f"{matmul['repeats']} products; measured {len(matmuls)} times, before the first row and after each). "
-             "Each row's fraction is against the higher of the measurements just before and after it.", "",
+             f"{matmul['repeats']} products; measured {len(matmuls)} times, before the first row and after each)"
+             + bf16_limits(matmuls) + ". Each row's fraction is against the higher of the measurements just before and "
+             "after it.", "",
              *padding_table(padding)]
     for section in sections:
         job, shape = section["job"], section["shape"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import OFFLINE, REPO
+from conftest import OFFLINE, REPO, TINY, losses
 
 NUMBERS = ("startup_s", "steps_per_s", "samples_per_s", "real_tokens_per_s", "real_token_fraction",
            "model_flops_per_s", "limit_fraction", "peak_rss_mb", "theory_model_states_mb", "eval_accuracy", "wall_s")
@@ -94,3 +94,40 @@ def test_data_too_small_for_the_job_is_one_clear_line_and_writes_nothing(tmp_pat
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {reviews_csv} has 240 examples with text; the benchmark's scratch-mini job needs 2920 "
         "(1920 to train 60 steps, 1000 to evaluate)")
+
+
+def test_on_a_gpu_train_py_the_plain_loop_and_the_trainer_also_run_in_bf16_against_the_bf16_matmul_limit():
+    from benchmarks.measure import limit_of
+    from benchmarks.plan import BenchJob, command, plan_rows
+
+    job = BenchJob("scratch-mini", steps=6, eval_rows=48)
+    bf16_rows = ("single_bf16", "plain_pytorch_bf16", "hf_trainer_bf16")
+    on_gpu = {row["name"]: row for row in plan_rows(job, cuda_devices=1)}
+    for name in bf16_rows:
+        row = on_gpu[name]
+        assert "skipped" not in row and row["precision"] == "bf16" and row["processes"] == 1, row
+        launched = command(row, ["--max_steps", "6"])
+        assert launched[-2:] == ["--mixed_precision", "bf16"] and "accelerate.commands.launch" not in launched
+    assert command(on_gpu["plain_pytorch_bf16"], [])[2:4] == ["benchmarks.baselines", "plain_pytorch"]
+    on_cpu = {row["name"]: row for row in plan_rows(job, cuda_devices=0)}
+    assert all(on_cpu[name]["skipped"].startswith("needs CUDA") for name in bf16_rows)
+
+    gpu_limit = {"flops_per_s": 60e12, "bf16_flops_per_s": 700e12}
+    assert limit_of(on_gpu["single_bf16"], gpu_limit) == 700e12 and limit_of(on_gpu["single"], gpu_limit) == 60e12
+    assert limit_of(on_cpu["cpu_bf16"], {"flops_per_s": 150e9}) == 150e9  # no bf16 rate measured on a CPU
+
+
+@pytest.mark.slow
+def test_the_plain_loop_autocasts_in_bf16_when_asked(tmp_path, reviews_csv, cache_dir):
+    """The plain loop's bf16 row really computes in bf16: its losses leave fp32's, by bf16's rounding only."""
+
+
+    def plain_loop(out, *extra):
+        subprocess.run([sys.executable, "-m", "benchmarks.baselines", "plain_pytorch", *TINY, "--data", str(reviews_csv),
+                        "--cache_dir", str(cache_dir), "--max_steps", "3", "--output_dir", str(out), *extra],
+                       cwd=REPO, check=True, capture_output=True, timeout=600, env={**os.environ, **OFFLINE})
+        return losses(out)
+
+    fp32, bf16 = plain_loop(tmp_path / "fp32"), plain_loop(tmp_path / "bf16", "--mixed_precision", "bf16")
+    assert fp32.keys() == bf16.keys() == {1, 2, 3}
+    assert fp32 != bf16 and all(abs(fp32[step] - bf16[step]) < 0.05 for step in fp32)
