@@ -129,6 +129,8 @@ def test_help_groups_the_options_and_lists_the_recipe(help_text):
     assert sections == ["options", "model", "data", "task", "optimisation", "LoRA", "evaluation and checkpoints",
                         "logging"]
     assert "--config RECIPE.yaml" in help_text
+    assert "  -h, --help            show this help message and exit" in help_text.splitlines()
+    assert "  --no_group_by_length  The same as --group_by_length false." in help_text.splitlines()
     section_of = {}
     for line in help_text.splitlines():
         if line and not line.startswith(" "):

@@ -322,7 +322,7 @@ def describe_cadence(strategy: str, steps: Optional[int]) -> str:
 RESUME_MAY_CHANGE = (
     "resume", "output_dir", "overwrite_output_dir", "max_steps", "num_train_epochs",
     "logging_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "save_strategy", "save_steps",
-    "save_total_limit", "metric_for_best_model", "load_best_model_at_end", "early_stopping_patience",
+    "save_total_limit", "load_best_model_at_end", "early_stopping_patience",
     "report_to", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
 )
 
@@ -370,13 +370,14 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """One name per option (HfArgumentParser accepts --dashed-names too) with its type, and no '(default: None)'."""
 
     def _format_action_invocation(self, action):
-        if action.nargs == 0:  # the --no_<flag> of a flag that defaults to true
-            return action.option_strings[0]
+        if action.nargs == 0:  # -h/--help, or the --no_<flag> of a flag that defaults to true
+            return action.option_strings[0] if action.option_strings[0].startswith("--no_") else \
+                ", ".join(action.option_strings)
         metavar = {int: "INT", float: "FLOAT"}.get(action.type, "BOOL" if action.const is True else "TEXT")
         return f"{action.option_strings[0]} {self._format_args(action, metavar)}"
 
     def _get_help_string(self, action):
-        if action.nargs == 0:
+        if action.option_strings[0].startswith("--no_"):
             return f"The same as --{action.dest} false."
         return action.help if action.default is None else super()._get_help_string(action)
 
