@@ -166,7 +166,6 @@ def main(cfg: TrainConfig) -> None:
                 tracking.log(accelerator, cfg.output_dir, step, metrics)
                 if cfg.load_best_model_at_end:
                     best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
-                                              os.path.join(cfg.output_dir, f"step_{step}"),
                                               task.greater_is_better(cfg.metric_for_best_model))
                 if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
                     accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "

@@ -457,6 +457,8 @@ def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path)
     (["--lora"], "lora = False", "True"),
     (["--mixed_precision", "bf16"], "mixed_precision = None", "bf16"),
     (["--no_group_by_length"], "group_by_length = True", "False"),
+    # the best so far was measured by the checkpoint's metric: another would compare unlike values
+    (["--metric_for_best_model", "eval_accuracy"], "metric_for_best_model = eval_f1", "eval_accuracy"),
 ])
 def test_a_flag_that_would_change_the_resumed_run_is_refused_in_one_line(tmp_path, flags, made, asked):
     from textclf.config import parse_config
@@ -507,10 +509,14 @@ def test_a_non_default_run_resumes_exactly_from_its_path_alone(tmp_path, gbk_tsv
     assert f"note: {gbk_tsv} is not UTF-8" in first.stdout and "reading it as GB18030" in first.stdout
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "step_8", resumed / "step_8")  # mid-epoch: 18 optimizer steps per epoch
+    for folder in full.glob("step_*"):  # the best is found where the run goes on, not where it began
+        shutil.rmtree(folder)
     run_train(["--resume", resumed / "step_8"])
     assert_same_run(full, resumed, 8)
     made, again = (json.loads((out / "run.json").read_text()) for out in (full, resumed))
     assert again["config"] == {**made["config"], "output_dir": str(resumed), "resume": str(resumed / "step_8")}
-    assert again["best_model"] == made["best_model"] and made["best_model"]["step"] in (8, 16, 20)
+    assert made["best_model"]["step"] in (8, 16, 20)
+    assert again["best_model"] == {**made["best_model"], "checkpoint": made["best_model"]["checkpoint"] and
+                                   str(resumed / f"step_{made['best_model']['step']}")}
     lrs = [row["lr"] for row in read_log(full) if "lr" in row]
     assert lrs[:3] == pytest.approx([0.002 / 3, 2 * 0.002 / 3, 0.002])  # 3 warmup steps, not a ratio of 20

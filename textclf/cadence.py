@@ -10,7 +10,7 @@ from typing import Optional
 
 from accelerate import Accelerator
 
-from .checkpoint import write_json
+from .checkpoint import checkpoint_folder, write_json
 from .errors import InputError
 from .task import format_score
 
@@ -26,15 +26,15 @@ def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) ->
     return strategy == "steps" and every is not None and step % every == 0
 
 
-def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str,
+def track_best(best: Optional[dict], step: int, metrics: dict, metric: str,
                greater_is_better: bool = True) -> Optional[dict]:
     """The best evaluation after this one, and how many evaluations in a row did not improve on it.
 
     As in the Trainer's EarlyStoppingCallback, only a strictly better value (higher, or lower where the
     task says lower is better: textclf/task.py) counts as an improvement; a tie still moves the best
     to the newer checkpoint, the one rotation keeps (checkpoint.rotate). An undefined value (None: a
-    correlation of constant predictions) improves on nothing. `checkpoint` is where this step's
-    checkpoint is (or would be) saved.
+    correlation of constant predictions) improves on nothing. The best is known by its step, not by a
+    path: a resumed run may go on in another folder (checkpoint_folder).
     """
     if metric not in metrics:
         raise InputError(f"metric_for_best_model {metric} is not one of the evaluation's: {', '.join(metrics)}")
@@ -45,8 +45,7 @@ def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, chec
     improved = best is None or (value > best["value"] if greater_is_better else value < best["value"])
     waited = 0 if improved else best["evaluations_without_improvement"] + 1
     if improved or value == best["value"]:
-        return {"step": step, "value": value, "metrics": metrics, "checkpoint": checkpoint,
-                "evaluations_without_improvement": waited}
+        return {"step": step, "value": value, "metrics": metrics, "evaluations_without_improvement": waited}
     return {**best, "evaluations_without_improvement": waited}
 
 
@@ -57,16 +56,16 @@ def patience_ran_out(best: Optional[dict], patience: Optional[int]) -> bool:
 def load_best(accelerator: Accelerator, best: dict, step: int, output_dir: str) -> dict:
     """Put the best checkpoint's weights into the model (unless they are the ones at hand), record in
     run.json which step they are from, and return their evaluation."""
-    if best["step"] != step:
-        accelerator.load_state(best["checkpoint"])
+    checkpoint = checkpoint_folder(output_dir, best["step"]) if best["step"] != step else None
+    if checkpoint:
+        accelerator.load_state(checkpoint)
     if accelerator.is_main_process:
         path = os.path.join(output_dir, "run.json")
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
-        run["best_model"] = {"step": best["step"], "checkpoint": best["checkpoint"] if best["step"] != step else None,
-                             **best["metrics"]}
+        run["best_model"] = {"step": best["step"], "checkpoint": checkpoint, **best["metrics"]}
         write_json(path, run)
     scores = ", ".join(f"{k} {format_score(v)}" for k, v in best["metrics"].items() if k != "eval_samples")
     accelerator.print(f"best model: step {best['step']} ({scores})"
-                      + (f", loaded from {best['checkpoint']}" if best["step"] != step else ", the last step"))
+                      + (f", loaded from {checkpoint}" if checkpoint else ", the last step"))
     return best["metrics"]

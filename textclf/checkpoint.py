@@ -97,6 +97,10 @@ def read_position(checkpoint: str) -> dict:
     return position
 
 
+def checkpoint_folder(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"step_{step}")
+
+
 def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every complete checkpoint in output_dir, oldest first."""
     if not os.path.isdir(output_dir):
@@ -392,7 +396,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     checkpoint, which it leaves as it was. The rank that fails stops without another collective:
     DeepSpeed's save may have left the others waiting in its own barrier, and the launcher stops them.
     """
-    final = os.path.join(output_dir, f"step_{position['step']}")
+    final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
     previous = complete_checkpoints(output_dir)
     advice = (f"free space (or choose another --output_dir), then continue with --resume latest (the newest complete "
