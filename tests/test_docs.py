@@ -38,6 +38,19 @@ def test_every_flag_the_documentation_gives_train_py_exists():
     assert not missing, f"flags in the documentation that train.py does not have: {missing}"
 
 
+def test_every_test_the_documentation_names_exists():
+    """docs/faults.md and docs/gpu.md say which test covers what: a renamed test must not leave them stale.
+    A name ending in * or ... stands for every test it begins."""
+    files = sorted((REPO / "tests").glob("test_*.py"))
+    defined = {path.stem for path in files} | {name for path in files for name in re.findall(
+        r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M)}
+    named = {page.name: re.findall(r"(?<![\w-])(test_\w+?)(\*|\.\.\.)?(?![\w*])", page_text(page)) for page in PAGES}
+    assert len(named["faults.md"]) > 20 and len(named["gpu.md"]) > 20
+    unknown = {page: sorted(name + (wildcard or "") for name, wildcard in names if not (
+        any(d.startswith(name) for d in defined) if wildcard else name in defined)) for page, names in named.items()}
+    assert not any(unknown.values()), f"tests named in the documentation that tests/ does not define: {unknown}"
+
+
 def documented_outputs() -> set[str]:
     """What the examples write: export's target folder, predict's --output, report's --output_dir."""
     found = set()

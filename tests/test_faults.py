@@ -173,6 +173,36 @@ def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_s
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_a_deletion_or_lock_that_fails_is_one_line_and_leaves_the_checkpoint_whole(tmp_path, monkeypatch):
+    """Rotation, a leftover's removal and the output folder's lock fail as one line, not a traceback."""
+    import errno
+
+    from textclf.checkpoint import complete_checkpoints, remove_leftovers, rotate, take_lock
+    from textclf.errors import InputError
+
+    for step in (1, 2):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "position.json").write_text(json.dumps({"step": step}))
+    (tmp_path / ".deleting_step_0").mkdir()
+
+    def read_only(*_, **__):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "rename", read_only)
+        with pytest.raises(InputError, match=r"cannot delete the checkpoint .*step_1: Read-only file system .*"
+                                             "then continue with --resume latest"):
+            rotate(str(tmp_path), keep=1, metric="eval_f1", protect=None)
+        patched.setattr(shutil, "rmtree", read_only)
+        with pytest.raises(InputError, match=r"cannot remove the leftover .*\.deleting_step_0: Read-only file"):
+            remove_leftovers(str(tmp_path))
+    assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [1, 2]
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / ".lock").mkdir()  # the lock file cannot be opened (as on a read-only folder)
+    with pytest.raises(InputError, match=r"cannot lock .*locked: Is a directory .*choose another --output_dir"):
+        take_lock(str(tmp_path / "locked"))
+
+
 # --- The loop position, checked against this run's schedule ------------------------------------------------
 
 SCHEDULE = {"total_steps": 20, "steps_per_epoch": 5, "batches_per_epoch": 14, "gradient_accumulation_steps": 3,

@@ -199,8 +199,11 @@ def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **sc
 
 
 def sha256(path: str) -> str:
+    digest = hashlib.sha256()  # hashlib.file_digest would do this, from Python 3.11 on
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(2 ** 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def manifest(folder: str) -> dict:
@@ -330,7 +333,7 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
             except OSError as e:
                 raise InputError(f"--overwrite_output_dir: cannot move the previous run in {output_dir} aside to "
                                  f"{aside} ({e.strerror}); move or delete it yourself") from None
-            os.makedirs(output_dir)
+            os.makedirs(output_dir, exist_ok=True)  # another run may have made it meanwhile: the lock decides
             take_lock(output_dir)
             _held_locks.remove(lock_file)
             lock_file.close()
@@ -345,7 +348,10 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
 
 def take_lock(output_dir: str):
     """Lock output_dir for this process and write who holds it into the lock file."""
-    lock_file = open(os.path.join(output_dir, LOCK), "a+", encoding="utf-8")
+    try:
+        lock_file = open(os.path.join(output_dir, LOCK), "a+", encoding="utf-8")
+    except OSError as e:
+        raise write_failed("lock", output_dir, e, "make it writable, or choose another --output_dir") from None
     # A few tries: another run's refuse_if_in_use holds a shared lock for a moment.
     for attempt in range(20):
         try:
@@ -375,7 +381,11 @@ def remove_leftovers(output_dir: str) -> list[str]:
     """Delete what runs killed while saving or deleting a checkpoint left; main process only."""
     removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING)))
     for name in removed:
-        shutil.rmtree(os.path.join(output_dir, name))
+        try:
+            shutil.rmtree(os.path.join(output_dir, name))
+        except OSError as e:
+            raise write_failed("remove the leftover", os.path.join(output_dir, name), e,
+                               "delete it yourself, then run again") from None
     return removed
 
 
@@ -384,9 +394,13 @@ def delete_folder(path: str) -> None:
     folder under a checkpoint's name."""
     parent, name = os.path.split(os.path.normpath(path))
     doomed = os.path.join(parent, DELETING + name)
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.rename(path, doomed)
-    shutil.rmtree(doomed)
+    try:
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed)
+    except OSError as e:
+        raise write_failed("delete the checkpoint", path, e, "make the folder writable (what is left of it is "
+                           f"{doomed}, which the next start removes), then continue with --resume latest") from None
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:
@@ -416,15 +430,15 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
         try:
             save_extra(tmp)
             write_json(os.path.join(tmp, POSITION), {**position, "files": manifest(tmp)}, advice)
+            if os.path.exists(final):  # a re-run of a step: the new one replaces the old in one rename
+                delete_folder(final)
+            os.replace(tmp, final)
         except WRITE_ERRORS as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise write_failed("save checkpoint", final, e, advice) from None
         except InputError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if os.path.exists(final):  # a re-run of a step: the new one replaces the old in one rename
-            delete_folder(final)
-        os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
 
