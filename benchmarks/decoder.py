@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -87,30 +88,36 @@ def measure(yaml_name: str, data: Path, model: Path, output_dir: Path) -> dict:
     with open(output_dir / f"{yaml_name}.log", "w", encoding="utf-8") as console:
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **OFFLINE}, stdout=console,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                try:
-                    if child.pid not in ranks and "RANK" in child.environ() and "RANK" not in child.parent().environ():
-                        ranks[child.pid] = int(child.environ()["RANK"])
-                        # Should memory run out after all, the kernel ends a rank rather than someone else's process.
-                        with open(f"/proc/{child.pid}/oom_score_adj", "w", encoding="utf-8") as f:
-                            f.write("1000")
-                except (psutil.Error, OSError):
-                    continue
-            sample = {"t": round(time.time() - started, 1)}
-            for pid, rank in ranks.items():
-                try:
-                    peak, rss = hwm(pid)
-                except (OSError, KeyError):
-                    continue
-                sample[f"rss{rank}"], sample[f"hwm{rank}"] = rss, peak
-            timeline.append(sample)
-            if psutil.virtual_memory().available < STOP_BELOW:
-                stopped = f"stopped at {sample['t']} s: available memory under {STOP_BELOW / 2 ** 30:.1f} GiB"
+        try:
+            while proc.poll() is None:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        environ, parent_environ = child.environ(), child.parent().environ()
+                        if child.pid not in ranks and "RANK" in environ and "RANK" not in parent_environ:
+                            ranks[child.pid] = int(environ["RANK"])
+                            # Should memory run out after all, the kernel ends a rank, not someone else's process.
+                            with open(f"/proc/{child.pid}/oom_score_adj", "w", encoding="utf-8") as f:
+                                f.write("1000")
+                    except (psutil.Error, OSError):
+                        continue
+                sample = {"t": round(time.time() - started, 1)}
+                for pid, rank in ranks.items():
+                    try:
+                        peak, rss = hwm(pid)
+                    except (OSError, KeyError):
+                        continue
+                    sample[f"rss{rank}"], sample[f"hwm{rank}"] = rss, peak
+                timeline.append(sample)
+                if psutil.virtual_memory().available < STOP_BELOW:
+                    stopped = f"stopped at {sample['t']} s: available memory under {STOP_BELOW / 2 ** 30:.1f} GiB"
+                    stop_tree(psutil.Process(proc.pid))
+                    proc.wait()
+                    break
+                time.sleep(0.5)
+        finally:  # the benchmark itself stopped (SIGTERM, Ctrl-C): its launch stops with it
+            if proc.poll() is None:
                 stop_tree(psutil.Process(proc.pid))
                 proc.wait()
-                break
-            time.sleep(0.5)
     steps = []
     if (out / "log.jsonl").exists():
         steps = [json.loads(line) for line in open(out / "log.jsonl", encoding="utf-8")]
@@ -134,6 +141,7 @@ def predict(yaml_name: str, args: list[str]) -> str:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running launch is stopped too
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=24,

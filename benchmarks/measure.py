@@ -81,11 +81,16 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
             if torch.cuda.is_available() else None}
 
 
-def stop_tree(root: psutil.Process) -> None:
+def stop_tree(root: psutil.Process, grace_s: float = 0) -> None:
     """Kill a launch: its launcher and every process under it. Not the launcher's process group alone:
     torchrun starts each rank in a session of its own, and a rank still importing has not yet tied its
-    life to the launcher's (errors.die_with_launcher)."""
-    for process in [root, *safe(root.children, recursive=True, default=[])]:
+    life to the launcher's (errors.die_with_launcher). With `grace_s`, SIGTERM first, for that long."""
+    tree = [root, *safe(root.children, recursive=True, default=[])]
+    if grace_s:
+        for process in tree:
+            safe(process.terminate)
+        _, tree = psutil.wait_procs(tree, timeout=grace_s)
+    for process in tree:
         safe(process.kill)
 
 
@@ -304,13 +309,17 @@ def epoch_padding(cfg: TrainConfig) -> dict:
 def warm_deepspeed_ops() -> str:
     """Build DeepSpeed's C++ ops (scripts/warm_deepspeed_ops.py) before the rows: no row's startup compiles."""
     start = time.time()
+    build = subprocess.Popen([sys.executable, "scripts/warm_deepspeed_ops.py"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, "scripts/warm_deepspeed_ops.py"], cwd=REPO, capture_output=True,
-                              text=True, timeout=900)
+        _, stderr = build.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         return "timed out after 900 s (the rows build what they need)"
-    if done.returncode:
-        return f"failed ({(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]})"
+    finally:  # timed out, or the benchmark itself stopped: a SIGTERM lets torch remove its build lock
+        if build.poll() is None:
+            stop_tree(psutil.Process(build.pid), grace_s=10)
+    if build.returncode:
+        return f"failed ({(stderr.strip().splitlines() or [str(build.returncode)])[-1]})"
     return f"{time.time() - start:.0f} s"
 
 

@@ -105,8 +105,11 @@ def run(command: list[str], log: Path, timeout: float, env: dict) -> dict:
             code = process.wait(timeout=max(timeout, 1))
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            code, timed_out = process.wait(), True
+            code, timed_out = None, True
+        finally:  # timed out, or this script stopped (SIGTERM, Ctrl-C): the command's group stops too
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # training ranks die with their launcher (die_with_launcher)
+                code = process.wait()
     return {"command": " ".join(shlex.quote(c) for c in command), "exit_code": code, "timed_out": timed_out,
             "seconds": round(time.monotonic() - start, 1), "log": str(log), "timeout": round(timeout)}
 
@@ -324,4 +327,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running command is stopped too
     sys.exit(main())

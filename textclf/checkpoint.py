@@ -399,7 +399,7 @@ def delete_folder(path: str) -> None:
         os.rename(path, doomed)
         shutil.rmtree(doomed)
     except OSError as e:
-        raise write_failed("delete the checkpoint", path, e, "make the folder writable (what is left of it is "
+        raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
 
 
