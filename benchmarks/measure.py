@@ -25,6 +25,7 @@ from textclf.data import EpochLengthGroupedSampler, load_table, select_columns
 from textclf.errors import InputError
 from textclf.job import build_job
 from textclf.modeling import apply_lora, parameter_counts
+from textclf.task import Task
 from textclf.theory import OFFLOADED_BY, model_state_bytes, training_flops_per_token
 
 from .plan import OFFLINE, REPO, BenchJob, command, train_args
@@ -250,7 +251,7 @@ def job_data(job: BenchJob, data: str, folder: str) -> tuple[str, str]:
     The training file holds exactly job.train_examples examples.
     """
     defaults = TrainConfig()
-    table = select_columns(load_table(data), data, defaults.text_column, defaults.label_column)
+    table = select_columns(load_table(data), data, Task.from_config(defaults))
     needed = job.train_examples + job.eval_rows
     if len(table) < needed:
         raise InputError(f"{data} has {len(table)} examples with text; the benchmark's {job.model} job needs "

@@ -263,18 +263,18 @@ def require_column(table: Dataset, path: str, role: str, column: str) -> None:
         raise InputError(f"{path} has no {role} column '{column}'; its columns are: {', '.join(names)} ({hint})")
 
 
-def select_columns(table: Dataset, path: str, text_column: str, label_column: str,
-                   text_pair_column: Optional[str] = None) -> Dataset:
-    """Keep the text, pair (for pairs) and label columns as `text`, `text_pair` and `label` (as they are:
-    the task reads labels), with rows whose text is empty dropped."""
-    texts = {"text": text_column, **({"text_pair": text_pair_column} if text_pair_column else {})}
+def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
+    """Keep the task's text, pair (for pairs) and label columns as `text`, `text_pair` and `label` (as they
+    are: the task reads labels), with rows whose text is empty dropped."""
+    texts = task.text_columns
     for role, column in texts.items():
         require_column(table, path, role, column)
-    require_column(table, path, "label", label_column)
-    columns = [*texts.values(), label_column]
+    require_column(table, path, "label", task.label_column)
+    columns = [*texts.values(), task.label_column]
     table = table.select_columns(columns)
     table = table.map(
-        lambda row: {**{name: clean_text(row[column]) for name, column in texts.items()}, "label": row[label_column]},
+        lambda row: {**{name: clean_text(row[column]) for name, column in texts.items()},
+                     "label": row[task.label_column]},
         remove_columns=[c for c in columns if c not in (*texts, "label")],
     )
     kept = table.filter(lambda row: all(len(row[name]) > 0 for name in texts))
@@ -285,21 +285,30 @@ def select_columns(table: Dataset, path: str, text_column: str, label_column: st
     return kept
 
 
-def read_inputs(path: str, text_column: str, text_pair_column: Optional[str] = None, delimiter: Optional[str] = None,
-                encoding: Optional[str] = None):
+def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None):
     """(texts, pairs or None): every row's text(s), cleaned, in file order; empty texts kept, so that row i
     answers row i."""
     table = load_table(path, delimiter, encoding)
-    columns = [("text", text_column)] + ([("text_pair", text_pair_column)] if text_pair_column else [])
-    for role, column in columns:
+    for role, column in task.text_columns.items():
         require_column(table, path, role, column)
-    texts = [clean_text(text) for text in table[text_column]]
-    return texts, [clean_text(text) for text in table[text_pair_column]] if text_pair_column else None
+    texts = {role: [clean_text(text) for text in table[column]] for role, column in task.text_columns.items()}
+    return texts["text"], texts.get("text_pair")
+
+
+def text_columns(table: Dataset) -> list[str]:
+    """The text columns of a table that select_columns made: `text`, and `text_pair` for pairs."""
+    return [column for column in ("text", "text_pair") if column in table.column_names]
 
 
 def all_texts(table: Dataset) -> list[str]:
     """Both texts of every pair (or every text): what a scratch tokenizer learns from."""
-    return [text for column in ("text", "text_pair") if column in table.column_names for text in table[column]]
+    return [text for column in text_columns(table) for text in table[column]]
+
+
+def read_labelled(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None,
+                  names: Optional[list[str]] = None):
+    """(The task's examples in a data file, the label names): select_columns, then labelled."""
+    return labelled(select_columns(load_table(path, delimiter, encoding), path, task), path, task, names)
 
 
 def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] = None):
@@ -314,11 +323,9 @@ def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] =
 def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, delimiter: Optional[str] = None,
                 encoding: Optional[str] = None):
     """The train and eval Datasets (columns `text`, `text_pair` for pairs, `labels`) and the label names."""
-    columns = (task.text_column, task.label_column, task.text_pair_column)
-    train, names = labelled(select_columns(load_table(data, delimiter, encoding), data, *columns), data, task)
+    train, names = read_labelled(data, task, delimiter, encoding)
     if eval_data:
-        held_out, _ = labelled(select_columns(load_table(eval_data, delimiter, encoding), eval_data, *columns),
-                               eval_data, task, names)
+        held_out, _ = read_labelled(eval_data, task, delimiter, encoding, names)
     else:
         train, held_out = hold_out(train, data, task, eval_split, seed)
     return train, held_out, names
@@ -344,7 +351,7 @@ def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int
 def fingerprint(table: Dataset) -> str:
     """A digest of the examples themselves, so a checkpoint can tell whether it sees the same data."""
     digest = hashlib.sha256()
-    columns = ["labels", "text"] + (["text_pair"] if "text_pair" in table.column_names else [])
+    columns = ["labels", *text_columns(table)]
     for batch in table.select_columns(columns).iter(batch_size=4096):
         for values in zip(*(batch[column] for column in columns)):
             digest.update(("\t".join(map(str, values)) + "\n").encode())
@@ -360,8 +367,7 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
-    texts = [column for column in ("text", "text_pair") if column in table.column_names]
-    return table.map(encode, batched=True, remove_columns=texts, desc="Tokenizing")
+    return table.map(encode, batched=True, remove_columns=text_columns(table), desc="Tokenizing")
 
 
 class EpochLengthGroupedSampler(Sampler):

@@ -138,7 +138,7 @@ def main(argv=None) -> None:
             raise InputError(f"give one --text_pair per --text ({len(texts)} texts, {len(pairs or [])} pairs)"
                              + (f": {args.model} was trained on pairs" if task.text_pair_column else ""))
     else:
-        texts, pairs = read_inputs(args.file, task.text_column, task.text_pair_column, args.delimiter, args.encoding)
+        texts, pairs = read_inputs(args.file, task, args.delimiter, args.encoding)
     model, tokenizer = load_trained(args.model, args.allow_pickle)
     logits = predict_logits(model, tokenizer, texts, pairs, batch_size=args.batch_size, accelerator=accelerator,
                             progress=True)

@@ -25,7 +25,7 @@ from transformers.utils import logging as transformers_logging
 from .baseline import baseline_predictions
 from .checkpoint import write_json
 from .config import TrainConfig
-from .data import DEFAULT_DATA, fingerprint, labelled, load_splits, load_table, select_columns
+from .data import DEFAULT_DATA, fingerprint, load_splits, read_labelled
 from .errors import InputError, die_with_launcher, run_command
 from .loading import load_trained, read_training
 from .metrics import compute_scores
@@ -68,9 +68,7 @@ def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path
         raise InputError(f"the baseline is fitted on the model's training data, {cfg.data}, which is not found "
                          "here; pass it with --train_data (or leave the baseline out with --no_baseline)")
     if cfg.eval_data:
-        columns = (task.text_column, task.label_column, task.text_pair_column)
-        table = load_table(cfg.data, cfg.delimiter, cfg.encoding)
-        train, train_names = labelled(select_columns(table, cfg.data, *columns), cfg.data, task)
+        train, train_names = read_labelled(cfg.data, task, cfg.delimiter, cfg.encoding)
     else:
         train, _, train_names = load_splits(cfg.data, None, task, cfg.eval_split, cfg.seed, cfg.delimiter, cfg.encoding)
     if train_names != names:
@@ -180,10 +178,7 @@ def main(argv=None) -> None:
     accelerator = inference_accelerator()
     model, tokenizer = load_trained(args.model, args.allow_pickle)
     names = label_names(model)
-    columns = (task.text_column, task.label_column, task.text_pair_column)
-    # A label the model does not know stops it here.
-    table = load_table(args.file, args.delimiter, args.encoding)
-    table, _ = labelled(select_columns(table, args.file, *columns), args.file, task, names)
+    table, _ = read_labelled(args.file, task, args.delimiter, args.encoding, names)  # an unknown label stops it here
     knows_training_data = bool(args.train_data or read_training(args.model))
     train = training_examples(cfg, task, names, args.model) if knows_training_data and not args.no_baseline else None
     pairs = table["text_pair"][:] if task.text_pair_column else None
