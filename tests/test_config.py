@@ -32,6 +32,17 @@ def test_booleans_parse_both_ways():
     (["--max_steps", "ten"], "invalid int value: 'ten'"),
     (["--report_to", "mlflow"], "invalid choice: 'mlflow'"),
     (["--warmup_ratio", "1.5"], "warmup_ratio must be in [0, 1)"),
+    # the Trainer's options that cannot work together
+    (["--load_best_model_at_end", "--eval_steps", "10", "--save_steps", "20"],
+     "load_best_model_at_end needs a checkpoint at every evaluation: set --save_strategy and --save_steps as "
+     "--eval_strategy and --eval_steps (now evaluating every 10 steps, saving every 20 steps)"),
+    (["--load_best_model_at_end", "--eval_strategy", "epoch"], "(now evaluating every epoch, saving every 500 steps)"),
+    (["--load_best_model_at_end"], "(now evaluating never, saving every 500 steps)"),
+    (["--early_stopping_patience", "3", "--eval_steps", "10"], "early_stopping_patience needs --load_best_model_at_end"),
+    (["--eval_strategy", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--warmup_steps", "-1"], "warmup_steps and dataloader_num_workers must be 0 or more"),
+    (["--delimiter", "ab"], "delimiter must be one character, got 'ab'"),
 ])
 def test_bad_values_are_refused_with_the_reason(argv, message):
     with pytest.raises(InputError) as error:
@@ -66,24 +77,6 @@ def test_trainer_names_parse_with_the_trainer_s_defaults():
     best = parse_config(["--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end",
                          "--early_stopping_patience", "2"])
     assert best.load_best_model_at_end and best.early_stopping_patience == 2
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--load_best_model_at_end", "--eval_steps", "10", "--save_steps", "20"],
-     "load_best_model_at_end needs a checkpoint at every evaluation: set --save_strategy and --save_steps as "
-     "--eval_strategy and --eval_steps (now evaluating every 10 steps, saving every 20 steps)"),
-    (["--load_best_model_at_end", "--eval_strategy", "epoch"], "(now evaluating every epoch, saving every 500 steps)"),
-    (["--load_best_model_at_end"], "(now evaluating never, saving every 500 steps)"),
-    (["--early_stopping_patience", "3", "--eval_steps", "10"], "early_stopping_patience needs --load_best_model_at_end"),
-    (["--eval_strategy", "sometimes"], "invalid choice: 'sometimes'"),
-    (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
-    (["--warmup_steps", "-1"], "warmup_steps and dataloader_num_workers must be 0 or more"),
-    (["--delimiter", "ab"], "delimiter must be one character, got 'ab'"),
-])
-def test_trainer_options_that_cannot_work_together_are_refused(argv, message):
-    with pytest.raises(InputError) as error:
-        parse_config(argv)
-    assert message in str(error.value)
 
 
 def test_a_tab_delimiter_may_be_typed_as_backslash_t():

@@ -117,6 +117,13 @@ def first_checkpoint_exists(out):
     return lambda: (out / "step_3" / "position.json").exists()
 
 
+def start_until_a_checkpoint(run, out):
+    """A 2-process run started into `out`, once its first checkpoint is complete (so a kill leaves one)."""
+    process = start(run, out)
+    wait_for(first_checkpoint_exists(out), process)
+    return process
+
+
 def saving(out):
     return lambda: any(name.startswith(".incomplete_step_") for name in os.listdir(out)) if out.exists() else False
 
@@ -136,8 +143,7 @@ def kill(process):
 def test_sigkill_at_any_moment_then_resume_latest_finishes_the_same_run(tmp_path, kill_run, moment):
     full, run = kill_run
     out = tmp_path / "killed"
-    process = start(run, out)
-    wait_for(first_checkpoint_exists(out), process)
+    process = start_until_a_checkpoint(run, out)
     if moment == "random-later":
         time.sleep(random.Random(os.getpid()).uniform(0.5, 4.0))
     kill(process)
@@ -149,8 +155,7 @@ def test_sigkill_at_any_moment_then_resume_latest_finishes_the_same_run(tmp_path
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path, kill_run):
     full, run = kill_run
     out = tmp_path / "killed"
-    process = start(run, out)
-    wait_for(first_checkpoint_exists(out), process)  # a kill inside the first save would leave none
+    process = start_until_a_checkpoint(run, out)
     for attempt in range(5):  # a save takes milliseconds: a kill may land just after one; try again
         wait_for(saving(out), process)
         kill(process)
@@ -166,8 +171,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tmp_path, kill_run):
     full, run = kill_run
     out = tmp_path / "preempted"
-    process = start(run, out)
-    wait_for(first_checkpoint_exists(out), process)
+    process = start_until_a_checkpoint(run, out)
     workers = [p for p in psutil.Process(process.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
     rank_1 = next(p for p in workers if p.environ().get("RANK") == "1")
     rank_1.send_signal(signal.SIGTERM)
