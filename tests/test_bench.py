@@ -131,3 +131,26 @@ def test_the_plain_loop_autocasts_in_bf16_when_asked(tmp_path, reviews_csv, cach
     fp32, bf16 = plain_loop(tmp_path / "fp32"), plain_loop(tmp_path / "bf16", "--mixed_precision", "bf16")
     assert fp32.keys() == bf16.keys() == {1, 2, 3}
     assert fp32 != bf16 and all(abs(fp32[step] - bf16[step]) < 0.05 for step in fp32)
+
+
+def test_the_decoder_job_reads_the_check_s_figures():
+    from benchmarks.decoder import check_figure
+
+    output = "model states (ZeRO paper)\nmemory per rank     3.70 GiB\npeak per rank       812.5 MiB  (activations ...)\n"
+    assert check_figure("memory per rank", output) == 3.7
+    assert check_figure("peak per rank", output) == 0.79
+    assert check_figure("peak per rank", "error: ...") is None
+
+
+@pytest.mark.slow
+def test_the_decoder_job_measures_each_rank_beside_the_check(tmp_path):
+    """One layer of Qwen2.5-0.5B's width (its 151,936-token embedding: 150M parameters) under ZeRO-3."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.decoder", "--output_dir", str(tmp_path), "--layers", "1",
+                             "zero3.yaml"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, **OFFLINE})
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    run = json.loads((tmp_path / "results.json").read_text())["zero3.yaml"]
+    assert run["exit_code"] == 0 and run["stopped"] is None and len(run["losses"]) == 2
+    assert len(run["peak_gib_per_rank"]) == 2 and all(peak > 0.5 for peak in run["peak_gib_per_rank"])
+    assert run["theory_gib"] > 0 and run["predicted_gib"] > run["theory_gib"]
+    assert "zero3.yaml" in result.stdout.splitlines()[-1]
