@@ -63,6 +63,8 @@ def main(cfg: TrainConfig) -> None:
         position = checkpoint.read_position(resume_from)
         checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
     best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
+    if best and cfg.load_best_model_at_end:
+        cadence.find_best_checkpoint(best, cfg.output_dir)  # not at the end: the run could not export it
 
     # Optimizer and schedule, counted in optimizer steps.
     train_loader, eval_loader = make_loaders(
@@ -166,6 +168,7 @@ def main(cfg: TrainConfig) -> None:
                 tracking.log(accelerator, cfg.output_dir, step, metrics)
                 if cfg.load_best_model_at_end:
                     best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
+                                              checkpoint.checkpoint_folder(cfg.output_dir, step),
                                               task.greater_is_better(cfg.metric_for_best_model))
                 if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
                     accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "

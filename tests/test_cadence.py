@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import TINY, read_log, run_train
-from textclf.cadence import due, load_best, patience_ran_out, track_best
+from textclf.cadence import due, find_best_checkpoint, load_best, patience_ran_out, track_best
 
 
 def test_strategies_count_optimizer_steps_and_epochs():
@@ -21,10 +21,10 @@ def test_patience_counts_evaluations_without_a_strict_improvement_and_ties_go_to
     history = [(2, 0.5), (4, 0.7), (6, 0.6), (8, 0.7), (10, 0.65)]
     waited = []
     for step, f1 in history:
-        best = track_best(best, step, {"eval_f1": f1, "eval_accuracy": 0.0}, "eval_f1")
+        best = track_best(best, step, {"eval_f1": f1, "eval_accuracy": 0.0}, "eval_f1", f"out/step_{step}")
         waited.append(best["evaluations_without_improvement"])
     assert waited == [0, 0, 1, 2, 3]
-    assert (best["step"], best["value"]) == (8, 0.7)  # the tie at step 8
+    assert (best["step"], best["value"], best["checkpoint"]) == (8, 0.7, "out/step_8")  # the tie at step 8
     assert patience_ran_out(best, 3) and not patience_ran_out(best, 4) and not patience_ran_out(best, None)
 
 
@@ -42,8 +42,9 @@ def test_load_best_puts_the_best_checkpoint_s_weights_back_and_records_its_step(
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
+        (tmp_path / "step_2" / "position.json").write_text(json.dumps({"step": 2}))
         best = {"step": 2, "value": 0.9, "metrics": {"eval_f1": 0.9, "eval_accuracy": 0.8},
-                "evaluations_without_improvement": 2}
+                "checkpoint": "/where/it/was/saved/step_2", "evaluations_without_improvement": 2}
         assert load_best(accelerator, best, 4, str(tmp_path)) == best["metrics"]
         assert all(p.equal(at_step_2[name]) for name, p in model.named_parameters())
         run = json.loads((tmp_path / "run.json").read_text())
@@ -52,6 +53,21 @@ def test_load_best_puts_the_best_checkpoint_s_weights_back_and_records_its_step(
         assert run["num_processes"] == 1
     finally:
         AcceleratorState._reset_state(True)
+
+
+def test_the_best_checkpoint_is_found_where_the_run_goes_on_else_where_it_was_saved(tmp_path):
+    from textclf.errors import InputError
+
+    saved, moved = tmp_path / "first" / "step_4", tmp_path / "moved" / "step_4"
+    best = {"step": 4, "checkpoint": str(saved)}
+    with pytest.raises(InputError, match=r"the best checkpoint so far \(step 4, saved as .*first/step_4\) is neither "
+                                         r"there nor in .*moved: put it back"):
+        find_best_checkpoint(best, str(moved.parent))
+    for folder in (saved, moved):
+        folder.mkdir(parents=True)
+        (folder / "position.json").write_text("{}")
+    assert find_best_checkpoint(best, str(tmp_path / "elsewhere")) == str(saved)  # resumed into another folder
+    assert find_best_checkpoint(best, str(moved.parent)) == str(moved)  # the run's folder, moved
 
 
 @pytest.mark.slow

@@ -257,11 +257,11 @@ def test_the_best_model_and_patience_follow_the_tasks_direction():
 
     best = None
     for step, mse in [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.5)]:
-        best = track_best(best, step, {"eval_mse": mse}, "eval_mse", greater_is_better=False)
+        best = track_best(best, step, {"eval_mse": mse}, "eval_mse", f"out/step_{step}", greater_is_better=False)
     assert (best["step"], best["value"], best["evaluations_without_improvement"]) == (4, 0.5, 2)  # a tie: newer
     best = None
     for step, pearson in [(1, None), (2, 0.3), (3, None)]:  # undefined: constant predictions
-        best = track_best(best, step, {"eval_pearson": pearson}, "eval_pearson")
+        best = track_best(best, step, {"eval_pearson": pearson}, "eval_pearson", f"out/step_{step}")
         assert best is None if step == 1 else best["step"] == 2
     assert best["evaluations_without_improvement"] == 1
 

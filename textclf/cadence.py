@@ -10,7 +10,7 @@ from typing import Optional
 
 from accelerate import Accelerator
 
-from .checkpoint import checkpoint_folder, write_json
+from .checkpoint import POSITION, checkpoint_folder, write_json
 from .errors import InputError
 from .task import format_score
 
@@ -26,15 +26,15 @@ def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) ->
     return strategy == "steps" and every is not None and step % every == 0
 
 
-def track_best(best: Optional[dict], step: int, metrics: dict, metric: str,
+def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str,
                greater_is_better: bool = True) -> Optional[dict]:
     """The best evaluation after this one, and how many evaluations in a row did not improve on it.
 
     As in the Trainer's EarlyStoppingCallback, only a strictly better value (higher, or lower where the
     task says lower is better: textclf/task.py) counts as an improvement; a tie still moves the best
     to the newer checkpoint, the one rotation keeps (checkpoint.rotate). An undefined value (None: a
-    correlation of constant predictions) improves on nothing. The best is known by its step, not by a
-    path: a resumed run may go on in another folder (checkpoint_folder).
+    correlation of constant predictions) improves on nothing. `checkpoint` is where this step's
+    checkpoint is (or would be) saved.
     """
     if metric not in metrics:
         raise InputError(f"metric_for_best_model {metric} is not one of the evaluation's: {', '.join(metrics)}")
@@ -45,7 +45,8 @@ def track_best(best: Optional[dict], step: int, metrics: dict, metric: str,
     improved = best is None or (value > best["value"] if greater_is_better else value < best["value"])
     waited = 0 if improved else best["evaluations_without_improvement"] + 1
     if improved or value == best["value"]:
-        return {"step": step, "value": value, "metrics": metrics, "evaluations_without_improvement": waited}
+        return {"step": step, "value": value, "metrics": metrics, "checkpoint": checkpoint,
+                "evaluations_without_improvement": waited}
     return {**best, "evaluations_without_improvement": waited}
 
 
@@ -53,10 +54,20 @@ def patience_ran_out(best: Optional[dict], patience: Optional[int]) -> bool:
     return patience is not None and best is not None and best["evaluations_without_improvement"] >= patience
 
 
+def find_best_checkpoint(best: dict, output_dir: str) -> str:
+    """The best checkpoint's folder: in the folder the run goes on in (which may have been moved), else where
+    it was saved (a run resumed into another --output_dir)."""
+    for folder in (checkpoint_folder(output_dir, best["step"]), best["checkpoint"]):
+        if os.path.exists(os.path.join(folder, POSITION)):
+            return folder
+    raise InputError(f"the best checkpoint so far (step {best['step']}, saved as {best['checkpoint']}) is neither "
+                     f"there nor in {output_dir}: put it back in either place, or leave out --load_best_model_at_end")
+
+
 def load_best(accelerator: Accelerator, best: dict, step: int, output_dir: str) -> dict:
     """Put the best checkpoint's weights into the model (unless they are the ones at hand), record in
     run.json which step they are from, and return their evaluation."""
-    checkpoint = checkpoint_folder(output_dir, best["step"]) if best["step"] != step else None
+    checkpoint = find_best_checkpoint(best, output_dir) if best["step"] != step else None
     if checkpoint:
         accelerator.load_state(checkpoint)
     if accelerator.is_main_process:
