@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--output_dir", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=24,
                         help="decoder layers: 24 is Qwen2.5-0.5B (494M parameters); 8 gives 255M, for a machine of "
-                        "24 GB that other work shares (DDP of the 0.5B needs about 2 x 11 GB)")
+                        "24 GB that other work shares (DDP of the 0.5B peaks at about 2 x 11.3 GB with its export)")
     parser.add_argument("launches", nargs="*", default=LAUNCHES, help="zoo files to launch (default: all four)")
     args = parser.parse_args()
     args.output_dir = args.output_dir.resolve()
