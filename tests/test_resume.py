@@ -294,6 +294,9 @@ BAD_RESUMES = {
                            "made with number of processes = 2, this run has 1"),
     "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
                          "made with DeepSpeed ZeRO stage = 2, this run has None"),
+    # as a launch under ddp_bf16.yaml would set it, where the config's own field stays unset
+    "changed precision": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(mixed_precision="bf16")), [],
+                          "made with precision (mixed_precision) = bf16, this run has no"),
 }
 
 

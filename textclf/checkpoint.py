@@ -51,6 +51,7 @@ WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "r
 IDENTITY = {
     "world_size": "number of processes",
     "zero_stage": "DeepSpeed ZeRO stage",
+    "mixed_precision": "precision (mixed_precision)",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "per_device_train_batch_size": "per_device_train_batch_size",
     "model": "model",
@@ -63,7 +64,8 @@ _held_locks = []  # the open lock files of this process: closing one would relea
 def identity(cfg, run: dict, data_fingerprint: str) -> dict:
     """This run's value of each IDENTITY key: from the launch (`run`, as runtime.describe says it), the
     training data, or the config."""
-    launch = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"], "data_fingerprint": data_fingerprint}
+    launch = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
+              "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint}
     return {key: launch[key] if key in launch else getattr(cfg, key) for key in IDENTITY}
 
 
