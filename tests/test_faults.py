@@ -66,7 +66,7 @@ def test_two_runs_started_together_one_owns_the_folder_and_the_other_says_which_
         tmp_path, args, config_file, four_step_run):
     # four_step_run has filled the caches (tokenizer, tokenized data): both runs start as fast, and the
     # first to claim the folder is still training when the other gets there.
-    out = tmp_path / "shared"
+    out = tmp_path / "contested"
     run = [*args, "--max_steps", 60, "--save_steps", 20, "--output_dir", out]
     runs = [launch(train_command(run, config_file)) for _ in range(2)]
     outputs = [finish(process) for process in runs]
