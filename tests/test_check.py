@@ -214,7 +214,19 @@ def test_fsdp_wraps_the_model_s_own_layer_class_whatever_its_family(capsys, fami
         status, out, err = run_check(capsys, "--config_file", "accelerate_configs/fsdp.yaml", "--target", "cuda",
                                      "--model", model, "--max_length", 32)
         assert status == 0, err
-        assert layer in report(out)["fsdp wraps"] and "the model's own layer class" in report(out)["fsdp wraps"]
+        assert report(out)["fsdp wraps"] == f"{layer} (the model's own layer class)"
+
+
+def test_fsdp_leaves_the_input_embeddings_to_accelerate(capsys, tmp_path):
+    # BERT declares BertEmbeddings in _no_split_modules; accelerate shards the word embeddings inside it
+    # on their own, and FSDP2 fails the launch on the second sharding (seen on a GPU).
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
+    config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "BertLayer,BertEmbeddings"
+    variant = write_yaml(tmp_path / "fsdp_embeddings.yaml", "fsdp.yaml", fsdp_config=config["fsdp_config"])
+    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda", "--model", "scratch-tiny")
+    assert status == 1
+    [line] = conflicts(err)
+    assert "BertEmbeddings" in line and "input embeddings" in line and "BertLayer" in line
 
 
 def test_an_fsdp_yaml_naming_a_class_the_model_does_not_have_is_a_conflict(capsys, tmp_path, family_model):

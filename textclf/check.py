@@ -29,8 +29,8 @@ import torch
 from .config import TrainConfig, parse_config
 from .errors import InputError
 from .job import load_data
-from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, layer_classes, model_config, parameter_counts, scratch_config,
-                       scratch_size, scratch_tokenizer_folder)
+from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
+                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
 from .runtime import COMPILE_REFUSED, zero_offload
 from .task import Task
 from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
@@ -362,6 +362,12 @@ def check_fsdp_wrap(launch: dict, model, model_name: str, conflicts: list[str], 
         conflicts.append(f"{launch['path']} names fsdp_transformer_layer_cls_to_wrap {', '.join(missing)}, which "
                          f"{model_name} does not have (its layers: {', '.join(own) or 'none declared'}); remove the "
                          "key so that FSDP wraps the model's own layer class")
+    holders = [name for name in names if name in embedding_holders(model)]
+    if holders:
+        conflicts.append(f"{launch['path']} names fsdp_transformer_layer_cls_to_wrap {', '.join(holders)}, which "
+                         f"holds {model_name}'s input embeddings: accelerate shards those by themselves, and FSDP2 "
+                         f"cannot shard them twice; name its layers ({', '.join(own) or 'none declared'}) or remove "
+                         "the key")
     return f"{', '.join(names)} (named in {launch['path']})"
 
 

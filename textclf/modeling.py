@@ -182,14 +182,22 @@ def build_model(model: str, tokenizer, label_names: list[str], max_length: int, 
 
 def layer_classes(model: PreTrainedModel) -> list[str]:
     """The classes of the model's repeated layers, which FSDP shards one by one: its family's
-    `_no_split_modules`, or, for families that declare none (BERT, RoBERTa, DistilBERT, ...), the classes
-    transformers marks as layers (GradientCheckpointingLayer)."""
+    `_no_split_modules` less those holding the input embeddings (embedding_holders), or, for families that
+    declare none, the classes transformers marks as layers (GradientCheckpointingLayer)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     declared = getattr(model, "_no_split_modules", None)
     if declared:
-        return sorted(declared)
+        return sorted(set(declared) - embedding_holders(model))
     return sorted({type(m).__name__ for m in model.modules() if isinstance(m, GradientCheckpointingLayer)})
+
+
+def embedding_holders(model: PreTrainedModel) -> set[str]:
+    """The classes below the model that hold its input embeddings. accelerate shards those embeddings as a
+    group of their own; a wrapped class that holds them (BERT's BertEmbeddings, which BERT declares in
+    `_no_split_modules`) would shard them first, and FSDP2 refuses to shard a sharded parameter again."""
+    embeddings = model.get_input_embeddings()
+    return {type(m).__name__ for m in list(model.modules())[1:] if any(sub is embeddings for sub in m.modules())}
 
 
 def apply_lora(model: PreTrainedModel, r: int, alpha: int, dropout: float, target_modules=None):
