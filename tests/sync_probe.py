@@ -43,6 +43,13 @@ def is_ours(path: str) -> bool:
     return path.startswith(str(REPO)) and "site-packages" not in path
 
 
+def library_path(path: str) -> str:
+    """A library's file named from its package (deepspeed/...), wherever it is installed: site-packages, or
+    a folder on PYTHONPATH (`pip install --target`, as scripts/gpu_suite.py installs)."""
+    roots = [root for root in sys.path if root and path.startswith(os.path.join(root, ""))]
+    return os.path.relpath(path, max(roots, key=len)) if roots else path
+
+
 def site() -> dict:
     """Where the call was made (the first frame outside torch's forwarding and this file), and the
     innermost frame of this repository on the way there (what of ours led to it)."""
@@ -51,7 +58,7 @@ def site() -> dict:
 
     def name(frame):
         path = frame.filename
-        path = os.path.relpath(path, REPO) if is_ours(path) else path.split("site-packages" + os.sep)[-1]
+        path = os.path.relpath(path, REPO) if is_ours(path) else library_path(path)
         return f"{path}:{frame.lineno} ({frame.name})"
 
     return {"site": name(frames[-1]) if frames else "?", "via": name(ours[-1]) if ours else None}
