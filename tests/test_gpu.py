@@ -25,8 +25,9 @@ What only a GPU exposes, and the assertion that catches it:
   and its export holds fp16 weights.
 - bf16 autocast with fused AdamW on CUDA: losses move away from the fp32 run's (autocast ran),
   weights stay fp32 and are not bf16-rounded (fused AdamW updates the fp32 weights), losses finite.
-- FSDP2: the run itself (wrapping BertLayer fails the launch if the class is wrong), its sharded
-  checkpoint resumes and exports the same weights as the run's own export, and needs --allow_pickle.
+- FSDP2: the run itself (a wrong layer class, or one holding the input embeddings, fails the launch),
+  its sharded checkpoint resumes and exports the same weights as the run's own export, and needs
+  --allow_pickle.
 - NCCL shutdown: no process-group warning at exit, exit code 0, for every file that forms a group.
 - Pinned memory and non-blocking copies: no synchronising CUDA operation between log lines.
 - CUDA RNG state in exact resume: the RNG file holds the CUDA state, and the first resumed loss is
@@ -81,6 +82,16 @@ SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (NOTES), a lost optimizer or scheduler state moves every weight by about the learning rate (1e-3).
 LOSS_BOUND = 1e-3
 WEIGHT_BOUND = 1e-4  # fp32 weights; DeepSpeed's 16-bit weights: one unit in the last place of the format
+# DeepSpeed's CPU Adam (the offload files) computes Adam's bias correction beta^t as a running product in an
+# uninterrupted run, but as pow(beta, t) after a resume (csrc/includes/cpu_adam.h, IncrementStep): the
+# master weights differ in their last bits from the first resumed update on, and early Adam steps (about
+# lr x the sign of each gradient) carry a flipped sign on to a whole lr. Measured (docs/gpu.md): on an H100
+# in bf16, losses one bf16 unit apart and the final weights 6.4e-3 to 6.7e-3 of their norm apart (3 runs);
+# on a CPU in fp32, 1.9e-4 and 7.3e-3. Bounds for those runs: losses within OFFLOAD_LOSS_ULPS units of the
+# 16-bit format, weights within OFFLOAD_RELATIVE_BOUND of their norm (three times the gap measured); the
+# first resumed loss stays bitwise (weights, batch and RNG restored) and the learning rates exact.
+OFFLOAD_LOSS_ULPS = 2
+OFFLOAD_RELATIVE_BOUND = 2e-2
 # The default job on a CPU reached 0.790 to 0.822 accuracy over 4 seeds (README); a GPU computes in
 # another order, so the floor sits below all of them, and far above the majority class (0.52).
 DEFAULT_JOB_ACCURACY_FLOOR = 0.78
@@ -183,13 +194,27 @@ def test_resume_on_the_gpu_reproduces_the_uninterrupted_run(name, trained, resum
     unit = {key: torch.finfo(sixteen_bit).eps * reference[key].abs().clamp(min=1e-3) for key in reference} \
         if sixteen_bit else {key: WEIGHT_BOUND for key in reference}
     weight_gap = max(((final[key] - reference[key]).abs() / unit[key]).max().item() for key in reference)
+    relative_gap = (sum((final[key] - reference[key]).float().pow(2).sum() for key in reference)
+                    / sum(reference[key].float().pow(2).sum() for key in reference)).sqrt().item()
+    offload = RUNS[name][2][3] not in (None, NO_OFFLOAD)
     record("resume", run=name, first_step_equal=got[SAVE + 1] == expected[SAVE + 1], loss_gap=loss_gap,
-           weight_gap=weight_gap, weight_gap_unit="16-bit ulp" if sixteen_bit else f"{WEIGHT_BOUND:g}")
+           weight_gap=weight_gap, weight_gap_unit="16-bit ulp" if sixteen_bit else f"{WEIGHT_BOUND:g}",
+           relative_weight_gap=relative_gap)
     # The first step after the checkpoint is a forward pass from the restored weights, on the restored
     # batch, with dropout masks from the restored CUDA RNG: deterministic kernels, so bitwise.
     assert got[SAVE + 1] == expected[SAVE + 1], (got[SAVE + 1], expected[SAVE + 1])
-    assert loss_gap <= LOSS_BOUND, f"losses after resume differ by up to {loss_gap:.2e}"
-    assert weight_gap <= 1, f"final weights differ by {weight_gap:.2f} x the bound"
+    # The schedule goes on where it stopped.
+    learning_rates = {row["step"]: row["lr"] for row in read_log(full) if "lr" in row and row["step"] > SAVE}
+    assert {row["step"]: row["lr"] for row in read_log(out) if "lr" in row} == learning_rates
+    if offload:
+        # Two units in the last place of the 16-bit format at the loss's magnitude (OFFLOAD_LOSS_ULPS).
+        loss_bound = max(OFFLOAD_LOSS_ULPS * torch.finfo(sixteen_bit).eps * 2.0 ** math.floor(math.log2(abs(loss)))
+                         for loss in expected.values())
+        assert loss_gap <= loss_bound, f"losses after resume differ by up to {loss_gap:.2e} (bound {loss_bound:.2e})"
+        assert relative_gap <= OFFLOAD_RELATIVE_BOUND, f"final weights differ by {relative_gap:.2e} of their norm"
+    else:
+        assert loss_gap <= LOSS_BOUND, f"losses after resume differ by up to {loss_gap:.2e}"
+        assert weight_gap <= 1, f"final weights differ by {weight_gap:.2f} x the bound"
 
 
 @pytest.mark.xdist_group("fsdp")
