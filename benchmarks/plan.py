@@ -63,7 +63,8 @@ def plan_jobs(quick: bool) -> list[BenchJob]:
                 BenchJob("scratch-small", steps=4, eval_rows=48, rows=("single", "plain_pytorch"), suffix="_small")]
     return [BenchJob("scratch-mini", steps=60, eval_rows=1000),
             BenchJob("scratch-base", steps=8, train_rows=2160, eval_rows=240,
-                     rows=("single", "plain_pytorch", "cpu", "zero2", "zero3"), suffix="_base")]
+                     rows=("single", "plain_pytorch", "single_bf16", "plain_pytorch_bf16", "cpu", "zero2", "zero3"),
+                     suffix="_base")]
 
 
 def plan_rows(job: BenchJob, cuda_devices: int) -> list[dict]:
