@@ -196,7 +196,10 @@ def embedding_holders(model: PreTrainedModel) -> set[str]:
     """The classes below the model that hold its input embeddings. accelerate shards those embeddings as a
     group of their own; a wrapped class that holds them (BERT's BertEmbeddings, which BERT declares in
     `_no_split_modules`) would shard them first, and FSDP2 refuses to shard a sharded parameter again."""
-    embeddings = model.get_input_embeddings()
+    try:
+        embeddings = model.get_input_embeddings()
+    except NotImplementedError:  # a custom model that names none: accelerate has none to shard apart
+        return set()
     return {type(m).__name__ for m in list(model.modules())[1:] if any(sub is embeddings for sub in m.modules())}
 
 
