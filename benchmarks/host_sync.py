@@ -45,7 +45,9 @@ def step_time(args, script: Path, model: str, output_dir: Path) -> dict:
                "--logging_steps", str(args.log_every), "--save_strategy", "no", "--eval_strategy", "no",
                "--mixed_precision", args.precision, "--per_device_train_batch_size", str(args.batch),
                "--max_length", "128", "--report_to", "none", "--output_dir", str(output_dir), "--overwrite_output_dir"]
-    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # The copy runs from a temporary folder: textclf is imported from the repository, as train.py's own is.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": path}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"error: {script.name} --model {model} failed:\n{done.stderr[-3000:]}")

@@ -362,7 +362,8 @@ def check_fsdp_wrap(launch: dict, model, model_name: str, conflicts: list[str], 
         conflicts.append(f"{launch['path']} names fsdp_transformer_layer_cls_to_wrap {', '.join(missing)}, which "
                          f"{model_name} does not have (its layers: {', '.join(own) or 'none declared'}); remove the "
                          "key so that FSDP wraps the model's own layer class")
-    holders = [name for name in names if name in embedding_holders(model)]
+    holding_embeddings = embedding_holders(model)
+    holders = [name for name in names if name in holding_embeddings]
     if holders:
         conflicts.append(f"{launch['path']} names fsdp_transformer_layer_cls_to_wrap {', '.join(holders)}, which "
                          f"holds {model_name}'s input embeddings: accelerate shards those by themselves, and FSDP2 "
