@@ -1,5 +1,5 @@
 """Prepare a bare CUDA machine, run the GPU test suite and the benchmark, and write one report, all within
-one command's time budget (10 minutes on this workplace's GPU machines). Uses the standard library only:
+one command's time budget (570 s by default: `--budget`). Uses the standard library only:
 it runs before the project's packages are installed.
 
     python3 scripts/gpu_suite.py                            # wheels from .whl/, report in $OUT or here

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch, where PyPI is reachable, the wheels a bare GPU machine needs to run this project: one that has
-# torch, accelerate, transformers, peft and the usual scientific stack (this workplace's 'cuda' image,
-# /work/.library/device/KINDS.md) but not the packages below, and no network. scripts/gpu_suite.py
+# torch, accelerate, transformers, peft and the usual scientific stack (a bare GPU machine without
+# network, as many CUDA images are) but not the packages below. scripts/gpu_suite.py
 # installs them there with `pip install --no-index --no-deps --target ...`.
 #
 #   scripts/gpu_wheels.sh [DIR]         # default DIR: .whl (git-ignored); PYTHON=... picks the interpreter
