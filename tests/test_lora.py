@@ -45,7 +45,8 @@ def lora_run(tmp_path_factory, lora_args):
 def adapter_model(folder):
     """The exported folder as transformers loads it: the base model in it, and the adapter beside it on top."""
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    assert model.active_adapters() == ["default"]
+    # The adapter's own weights are in the model (not merged away, not skipped): true on every peft version.
+    assert any("lora_" in name for name, _ in model.named_parameters())
     return model
 
 
