@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from families import save_family_model
+from forked import run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 # No test may reach a hub: the suite proves the template works offline.
@@ -51,6 +52,18 @@ def run_train(args, config_file=None, extra_launch_args=(), check=True, timeout=
                             env={**os.environ, **OFFLINE, **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(f"train.py exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                             f"\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
+def train_forked(args, num_processes=2, config_file=REPO / "accelerate_configs" / "cpu.yaml", launch_args=(), check=True,
+                 timeout=900, env=None):
+    """train.py on `num_processes` ranks set up as `accelerate launch --config_file <config_file> <launch_args>`
+    sets them up, forked after the imports (tests/forked.py): run_train(args, config_file) at a fraction of its
+    cost. The launcher itself is not run: keep a few run_train launches per zoo file."""
+    result = run_forked(args, num_processes, config_file, launch_args, env, timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"forked train.py exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
                              f"\n--- stderr\n{result.stderr[-6000:]}")
     return result
 

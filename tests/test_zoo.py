@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from conftest import OFFLINE, REPO, TINY, free_port, run_train, train_command
+from forked import launch_env, rank_env
 
 pytestmark = pytest.mark.slow
 ZOO = REPO / "accelerate_configs"
@@ -103,3 +104,27 @@ def test_multi_node_yaml_as_two_machines_on_one_host(tmp_path, run_args, ddp_ref
     assert (run["distributed_type"], run["num_processes"], run["num_machines"]) == ("MULTI_CPU", 2, 2)
     assert_exported_model_loads(tmp_path)
     assert max_abs_diff(exported_weights(tmp_path), exported_weights(ddp_reference[0])) < 1e-4
+
+
+# What train.py reads from its launch: accelerate's settings, the rank's place, the threads per rank.
+LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")
+
+
+@pytest.mark.parametrize("config, launch_args", [("cpu.yaml", []), ("cpu.yaml", ["--mixed_precision", "bf16"]),
+                                                 ("zero2.yaml", []), ("zero3_offload.yaml", [])])
+def test_forked_ranks_get_the_environment_accelerate_launch_gives(tmp_path, config, launch_args):
+    """tests/forked.py builds each rank's environment with accelerate's launch code, without the launcher:
+    what train.py reads from it is what a real `accelerate launch` gives each rank."""
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, sys\nwith open(sys.argv[1] + os.environ['RANK'], 'w') as f:\n"
+                      "    json.dump(dict(os.environ), f)\n")
+    launched = subprocess.run(train_command([tmp_path / "rank"], ZOO / config, launch_args, script), cwd=REPO,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    real = [json.loads((tmp_path / f"rank{rank}").read_text()) for rank in range(2)]
+    forked = [rank_env(launch_env(ZOO / config, 2, free_port(), launch_args), rank) for rank in range(2)]
+
+    def read(env):
+        return {key: value for key, value in env.items() if key.startswith("ACCELERATE_") or key in LAUNCH_KEYS}
+
+    assert [read(env) for env in forked] == [read(env) for env in real]

@@ -1,0 +1,116 @@
+"""train.py's ranks forked from a process that has already imported torch, transformers, accelerate and
+DeepSpeed: a 2-process run without paying the imports (12-14 s per process on 2 cores) at every launch.
+
+The environment each rank gets is the one `accelerate launch --config_file <zoo file>` gives it: accelerate's
+own launch code reads the config file and writes its settings as ACCELERATE_* variables
+(prepare_multi_gpu_env / prepare_deepspeed_cmd_env), and the variables torchrun sets for each rank are added
+here. What this does not test is the launcher itself: a few tests per zoo file still run `accelerate launch`.
+
+The ranks come from a fork server (multiprocessing's "forkserver", which imports PRELOADED once per test
+process) rather than from the test process: a process forked after torch has run an operation or gloo has
+started its threads may hang, and the test process has done both.
+"""
+
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# What a rank of train.py imports; `train` is train.py imported as a module (its launch code is under
+# `if __name__ == "__main__"`).
+PRELOADED = ["forked", "train", "deepspeed", "torch.distributed.run"]
+
+
+def launch_env(config_file, num_processes: int, port: int, launch_args=()) -> dict[str, str]:
+    """The environment `accelerate launch --config_file <config_file> --num_processes <n> <launch_args>` gives
+    every rank, the rank's own variables (rank_env) excepted."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--num_processes",
+                                               str(num_processes), "--main_process_port", str(port), *map(str, launch_args),
+                                               "train.py"])
+    # A private function: it is where `accelerate launch` applies the config file's values to its arguments
+    # (tests/test_zoo.py checks the environment it gives against a real launch).
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    else:
+        env = prepare_multi_gpu_env(args)
+    # torchrun's default with several processes per machine.
+    return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(num_processes), "LOCAL_WORLD_SIZE": str(num_processes),
+            "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": str(num_processes)}
+
+
+def rank_env(env: dict[str, str], rank: int) -> dict[str, str]:
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+
+
+def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> None:
+    """One rank: train.py's `__main__` (parse, train, exit), its output in `output`.out and `output`.err."""
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        os.dup2(os.open(output + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(rank_env(env, rank))
+    os.chdir(REPO)
+    sys.argv = ["train.py", *args]
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch read the variable when the server started
+    import train
+    from textclf.config import parse_config
+    from textclf.errors import run_command
+    from textclf.runtime import exit_finished_run
+
+    cfg = run_command(lambda: parse_config(args))
+    run_command(lambda: train.main(cfg))
+    exit_finished_run()
+
+
+def run_forked(args, num_processes=2, config_file=REPO / "accelerate_configs" / "cpu.yaml", launch_args=(), env=None,
+               timeout=900) -> subprocess.CompletedProcess:
+    """train.py with `args` on `num_processes` ranks as `config_file` (and `launch_args`, such as
+    `--mixed_precision bf16`) sets them up, the ranks forked after the imports. Returns what `subprocess.run` would for `accelerate launch`: the first failed rank's exit code
+    (the others are then stopped, as torchrun stops them), and every rank's output, rank 0's first."""
+    from conftest import OFFLINE, free_port
+
+    port = free_port()
+    rank_env = {**launch_env(config_file, num_processes, port, launch_args), **OFFLINE, **(env or {})}
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    outputs = Path(tempfile.mkdtemp(prefix="forked-")) / "rank"
+    ranks = [context.Process(target=rank_main, args=(rank, list(map(str, args)), rank_env, f"{outputs}.{rank}"))
+             for rank in range(num_processes)]
+    for process in ranks:
+        process.start()
+    deadline, failed, timed_out = time.monotonic() + timeout, None, False
+    while any(process.exitcode is None for process in ranks):
+        if failed is None:
+            failed = next((process for process in ranks if process.exitcode not in (None, 0)), None)
+            for process in ranks if failed else ():
+                if process.exitcode is None:
+                    os.kill(process.pid, signal.SIGTERM)
+        if not timed_out and time.monotonic() > deadline:
+            timed_out = True
+            for process in ranks:
+                process.kill()
+        time.sleep(0.1)
+    failed = failed or next((process for process in ranks if process.exitcode != 0), None)
+    read = [[Path(f"{outputs}.{rank}{suffix}") for rank in range(num_processes)] for suffix in (".out", ".err")]
+    stdout, stderr = ("".join(path.read_text(encoding="utf-8", errors="replace") for path in paths) for paths in read)
+    shutil.rmtree(outputs.parent)
+    if timed_out:
+        raise subprocess.TimeoutExpired(["forked train.py", *map(str, args)], timeout, stdout, stderr)
+    return subprocess.CompletedProcess(["forked train.py", *map(str, args)], failed.exitcode if failed else 0,
+                                       stdout, stderr)
