@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -347,6 +348,40 @@ def assert_pipeline_predicts_like_the_trained_model(folder):
     got = [(row["label"], row["score"]) for row in pipeline_predictions(folder)]
     assert [label for label, _ in got] == [label for label, _ in expected]
     assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-5)
+
+
+def assert_peft_loaders_predict_like_the_trained_model(folder, elsewhere):
+    """A LoRA folder copied to `elsewhere` and loaded from there, with another working directory, by peft's two
+    loaders (AutoPeftModelForSequenceClassification; PeftModel on the base that adapter_config.json names)
+    gives the logits of the trained model (as predict and report load it); peft's model card names no
+    temporary path."""
+    import torch
+    from peft import AutoPeftModelForSequenceClassification, PeftConfig, PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from textclf.loading import load_trained
+    from textclf.predict import predict_logits
+
+    model, tokenizer = load_trained(str(folder))
+    expected = predict_logits(model, tokenizer, PROBE_TEXTS)
+    copied = Path(elsewhere) / "copied"
+    shutil.copytree(folder, copied)
+    base_name = PeftConfig.from_pretrained(str(copied)).base_model_name_or_path
+    assert base_name == os.path.abspath(folder)  # the base with the trained head, beside the adapter
+    assert f"base_model: {base_name}\n" in (copied / "README.md").read_text(encoding="utf-8")
+    cwd = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        auto = AutoPeftModelForSequenceClassification.from_pretrained(str(copied)).eval()
+        on_base = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base_name),
+                                            str(copied)).eval()
+        copied_tokenizer = AutoTokenizer.from_pretrained(str(copied))
+        for loaded in (auto, on_base):
+            assert isinstance(loaded, PeftModel)
+            got = predict_logits(loaded, copied_tokenizer, PROBE_TEXTS)
+            assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (got - expected).abs().max()
+    finally:
+        os.chdir(cwd)
 
 
 @contextmanager

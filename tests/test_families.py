@@ -23,7 +23,7 @@ from textclf import check
 from textclf.config import parse_config
 from textclf.errors import InputError
 from textclf.loading import load_trained
-from textclf.modeling import build_model, get_tokenizer, model_config, parameter_groups
+from textclf.modeling import apply_lora, build_model, get_tokenizer, model_config, parameter_groups
 from textclf.predict import predict_logits
 
 ZOO = REPO / "accelerate_configs"
@@ -103,6 +103,21 @@ def test_weight_decay_skips_biases_and_every_normalisation_layer(family, family_
     if family in ("llama", "qwen2"):  # RMSNorm, which a rule by type (nn.LayerNorm) alone would miss
         rms = [name for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
         assert len(rms) == 2 * 2 + 1  # two per layer and the final one
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lora_of_a_decoder_gives_the_optimizer_no_empty_group(family, family_model):
+    """LoRA of Llama trains no bias and no norm: no group without decay. DeepSpeed would drop an empty one
+    and the scheduler's first step would fail (zip() of 2 learning rates with 1 group)."""
+    folder = family_model(family)
+    model = build_model(str(folder), get_tokenizer(str(folder), None, "unused", "unused", 32), ["a", "b"], 32)
+    model = apply_lora(model, 8, 16, 0.0)
+    groups = parameter_groups(model, 0.1)
+    assert all(group["params"] for group in groups)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(len(group["params"]) for group in groups) == len(trainable)
+    # Llama's score head has no bias, GPT-2's neither: every trainable parameter decays.
+    assert [group["weight_decay"] for group in groups] == [0.1]
 
 
 def test_the_learning_rate_follows_the_model_kind_unless_given():

@@ -13,8 +13,9 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import (REPO, TINY, assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module,
-                      run_train)
+from conftest import (REPO, TINY, assert_peft_loaders_predict_like_the_trained_model,
+                      assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module, run_train)
+from textclf.export import export_checkpoint
 from textclf.loading import checkpoint_weights
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
@@ -124,3 +125,31 @@ def test_the_adapter_folder_and_its_merge_load_in_a_pipeline_from_anywhere(lora_
         assert_pipeline_predicts_like_the_trained_model(moved)
         run_module("textclf.export", [moved, tmp_path / "merged", "--merge"])
     assert_pipeline_predicts_like_the_trained_model(tmp_path / "merged")
+
+
+@pytest.mark.slow
+def test_the_adapter_folders_load_in_peft_from_anywhere(lora_run, tmp_path):
+    """The run's export and the export of a checkpoint, copied elsewhere: peft's own loaders give the trained
+    model's predictions (the base adapter_config.json names is the folder, not the scratch base or step_N)."""
+    out = lora_run("ddp")
+    assert_peft_loaders_predict_like_the_trained_model(out / "model", tmp_path / "run")
+    export_checkpoint(str(out / "step_2"), str(tmp_path / "exported"))
+    assert_peft_loaders_predict_like_the_trained_model(tmp_path / "exported", tmp_path / "checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_lora_of_a_decoder_trains_under_zero_and_its_exports_load_everywhere(strategy, family_model, reviews_csv,
+                                                                             cache_dir, tmp_path):
+    """LoRA of a Qwen2 trains no bias or norm (one parameter group, not an empty second one that DeepSpeed
+    would drop under the scheduler's feet); both of its exports load in pipeline and in peft's loaders."""
+    out = tmp_path / "out"
+    run_train([*TINY, "--model", family_model("qwen2"), "--data", reviews_csv, "--cache_dir", cache_dir, "--lora",
+               "--max_steps", 2, "--save_steps", 2, "--output_dir", out],
+              config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+    assert sorted(losses(out)) == [1, 2]
+    exported = tmp_path / "exported"
+    export_checkpoint(str(out / "step_2"), str(exported), allow_pickle=True)
+    for folder in (out / "model", exported):
+        assert_pipeline_predicts_like_the_trained_model(folder)
+        assert_peft_loaders_predict_like_the_trained_model(folder, tmp_path / f"{folder.name}_elsewhere")

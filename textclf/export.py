@@ -120,7 +120,10 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     try:
         try:
             if isinstance(model, PeftModel) and not merge:
-                model.save_pretrained(tmp)  # adapter_config.json, adapter_model.safetensors: the adapters and the head
+                name_base(model, os.path.abspath(target))
+                # adapter_config.json, adapter_model.safetensors: the adapters and the head. No embedding layers:
+                # LoRA leaves the vocabulary as it was ("auto" would look for the base at its name, not written yet).
+                model.save_pretrained(tmp, save_embedding_layers=False)
                 model.unload().save_pretrained(tmp)  # beside them the base they apply to (loading.py: the layout)
             else:
                 if isinstance(model, PeftModel):
@@ -148,6 +151,21 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # already gone when it became the target
     return target
+
+
+def name_base(model, folder: str) -> None:
+    """Name `folder` (the export's target, which holds the base beside the adapter) as the adapter's base, in
+    adapter_config.json and in the model card peft writes.
+
+    peft's loaders (AutoPeftModel*.from_pretrained, and whoever reads the name to load the base for
+    PeftModel.from_pretrained) load the base from that name alone. The base the run started from would not do:
+    its head has its own number of labels, a decoder's config has no pad token, and a scratch base or a
+    step_<N> checkpoint (whose weights are wrapped) is nowhere to load from. The folder itself holds the
+    base with the trained config; transformers and `pipeline` read it there whatever the name says.
+    """
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = folder
+    model.get_base_model().config._name_or_path = folder  # what peft's model card names as the base
 
 
 def refuse_existing(target: str, overwrite: bool) -> None:

@@ -5,8 +5,9 @@ An exported folder is a Hugging Face model folder. With LoRA it holds the base m
 model.safetensors) and, beside it, the adapter with the trained head (adapter_config.json,
 adapter_model.safetensors): transformers and `pipeline` load such a folder as that base plus that
 adapter, from any working directory and wherever the folder is moved, offline; a scratch base exists
-nowhere else. (`base_model_name_or_path` in adapter_config.json records where the base came from;
-a folder that holds its own config.json is not sent there.)
+nowhere else. (`base_model_name_or_path` in adapter_config.json names the folder as export wrote it, for
+peft's loaders, which load the base from that name; transformers does not follow it for a folder that holds
+its own config.json.)
 """
 
 import glob

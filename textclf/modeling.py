@@ -30,6 +30,8 @@ SCRATCH_SIZES = {
     "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),
 }
 SCRATCH_VOCAB_SIZE = 8000
+# Parameter names that take no weight decay, as the Trainer names them (Trainer.get_decay_parameter_names).
+NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 def scratch_size(model: str):
@@ -226,17 +228,20 @@ def apply_lora(model: PreTrainedModel, r: int, alpha: int, dropout: float, targe
 
 
 def parameter_groups(model: PreTrainedModel, weight_decay: float) -> list[dict]:
-    """AdamW's two groups: weight decay on the weights, none on biases and normalisation layers.
+    """AdamW's groups: weight decay on the weights, none on biases and normalisation layers; only the groups
+    that hold a trainable parameter (LoRA of a decoder trains no bias or norm).
 
-    The rule is the Trainer's own (LayerNorm by type; bias, LayerNorm, RMSNorm and `norm` by name);
-    `get_decay_parameter_names` reads nothing of the Trainer it is a method of.
+    An empty group must not reach the optimizer: DeepSpeed's ZeRO optimizers drop it while the scheduler,
+    built on the torch optimizer, keeps a learning rate for it, and its first step fails.
     """
-    from transformers import Trainer
+    from transformers.trainer_pt_utils import get_parameter_names
 
-    decay = set(Trainer.get_decay_parameter_names(None, model))
+    # The Trainer's rule (its get_decay_parameter_names): LayerNorm by type; bias and any norm by name.
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAME_PATTERNS))
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for name, p in trainable if name in decay], "weight_decay": weight_decay},
-            {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
+    groups = [{"params": [p for name, p in trainable if name in decay], "weight_decay": weight_decay},
+              {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
