@@ -423,26 +423,34 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
 
 def take_lock(output_dir: str):
     """Lock output_dir for this process and write who holds it into the lock file."""
-    try:
-        lock_file = open(os.path.join(output_dir, LOCK), "a+", encoding="utf-8")
-    except OSError as e:
-        raise write_failed("lock", output_dir, e, "make it writable, or choose another --output_dir") from None
+    path = os.path.join(output_dir, LOCK)
     # A few tries: another run's refuse_if_in_use holds a shared lock for a moment.
     for attempt in range(20):
         try:
+            lock_file = open(path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise write_failed("lock", output_dir, e, "make it writable, or choose another --output_dir") from None
+        try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
         except BlockingIOError:
+            lock_file.seek(0)
+            holder = lock_file.read()
+            lock_file.close()
             if attempt == 19:
-                lock_file.seek(0)
-                holder = lock_file.read()
-                lock_file.close()
                 raise in_use(output_dir, holder) from None
             time.sleep(0.1)
+            continue
         except OSError as e:
             print(f"warning: cannot lock {output_dir} ({e.strerror}): its file system has no file locks, so "
                   "nothing stops a second run from writing into it", file=sys.stderr)
             break
+        # Another run's --overwrite_output_dir may have moved the folder aside, lock file and all, while this
+        # one waited: the lock it got is then no longer the folder's, whose .lock that run now holds.
+        if is_current(lock_file, path):
+            break
+        lock_file.close()
+    else:
+        raise in_use(output_dir, "")
     lock_file.seek(0)
     lock_file.truncate()
     lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
@@ -450,6 +458,16 @@ def take_lock(output_dir: str):
     lock_file.flush()
     _held_locks.append(lock_file)
     return lock_file
+
+
+def is_current(lock_file, path: str) -> bool:
+    """Whether the open lock_file is the file at path (same device and inode)."""
+    held = os.fstat(lock_file.fileno())
+    try:
+        current = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
 
 
 def remove_leftovers(output_dir: str) -> list[str]:
