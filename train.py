@@ -60,7 +60,7 @@ def main(cfg: TrainConfig) -> None:
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:
-        position = checkpoint.read_position(resume_from)
+        position = checkpoint.read_verified_position(resume_from)
         checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
     best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
     if best and cfg.load_best_model_at_end:

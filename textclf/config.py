@@ -442,10 +442,10 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     known, _ = pre.parse_known_args(args)
     if not known.resume:
         return None
-    from .checkpoint import find_resume_checkpoint, read_position  # here: --help stays fast
+    from .checkpoint import find_resume_checkpoint, read_verified_position  # here: --help stays fast
 
     path = find_resume_checkpoint(known.resume, known.output_dir, True)
-    config = read_position(path).get("config")
+    config = read_verified_position(path).get("config")
     if config is None:  # written before checkpoints held their config: every flag must be given again
         return None
     unknown = sorted(set(config) - set(field_names()))

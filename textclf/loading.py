@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position
+from .checkpoint import (FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position,
+                         verify_checkpoint)
 from .errors import InputError
 from .modeling import apply_lora
 
@@ -119,7 +120,9 @@ def _load_folder(folder: str):
 
 
 def _load_checkpoint(checkpoint: str, allow_pickle: bool):
-    run = read_position(checkpoint).get("config") or {}
+    position = read_verified_position(checkpoint)
+    verify_checkpoint(checkpoint, position)  # every file read in full before any is loaded
+    run = position.get("config") or {}
     try:
         config = AutoConfig.from_pretrained(checkpoint)
     except (OSError, ValueError):
