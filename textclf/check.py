@@ -333,7 +333,7 @@ def learnt_vocabulary(cfg: TrainConfig) -> Optional[int]:
     except InputError:
         return None
     folder = scratch_tokenizer_folder(cfg.cache_dir, data_fingerprint)
-    return len(AutoTokenizer.from_pretrained(folder)) if os.path.isdir(folder) else None
+    return len(AutoTokenizer.from_pretrained(folder, trust_remote_code=False)) if os.path.isdir(folder) else None
 
 
 def count_parameters(cfg: TrainConfig) -> tuple[int, int]:

@@ -1,0 +1,60 @@
+"""Bad input and failures that used to end in a traceback, or in a prompt: each is one `error:` line, said once.
+
+docs/faults.md ("One line, not a traceback") lists them with these tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import OFFLINE, REPO, assert_refused
+from textclf.errors import InputError
+from textclf.loading import load_trained
+
+
+def code_shipping_folder(tmp_path, position=False):
+    """A model folder whose config names its own Python code (auto_map); importing that code leaves a marker."""
+    folder = tmp_path / ("step_1" if position else "custom")
+    folder.mkdir()
+    marker = tmp_path / "code-ran"
+    leave_marker = f"open({str(marker)!r}, 'w').close()\n"
+    (folder / "configuration_mine.py").write_text(
+        f"{leave_marker}from transformers import PretrainedConfig\n"
+        "class MineConfig(PretrainedConfig):\n    model_type = 'mine'\n")
+    (folder / "modeling_mine.py").write_text(leave_marker)
+    (folder / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": {
+        "AutoConfig": "configuration_mine.MineConfig",
+        "AutoModelForSequenceClassification": "modeling_mine.MineForSequenceClassification"}}))
+    save_file({"weight": torch.zeros(2)}, str(folder / "model.safetensors"))
+    if position:
+        (folder / "position.json").write_text(json.dumps({"step": 1, "epoch": 0, "batch_in_epoch": 1}))
+    return folder, marker
+
+
+@pytest.mark.parametrize("position", [False, True], ids=["model folder", "checkpoint"])
+def test_a_folder_code_runs_only_with_trust_remote_code(tmp_path, position):
+    folder, marker = code_shipping_folder(tmp_path, position)
+    with pytest.raises(InputError, match="needs custom code to load .* pass --trust_remote_code"):
+        load_trained(str(folder))
+    assert not marker.exists()
+    # The flag reaches transformers: the folder's code runs (and this folder's model code is a stub).
+    with pytest.raises(Exception):
+        load_trained(str(folder), trust_remote_code=True)
+    assert marker.exists()
+
+
+def test_predict_never_prompts_to_run_a_folder_code(tmp_path):
+    """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is None, and reads
+    the answer from stdin: a "y" there must not run it."""
+    folder, marker = code_shipping_folder(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "textclf.predict", "--model", str(folder), "--text", "好"],
+                            cwd=REPO, input="y\ny\n", capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **OFFLINE})
+    assert_refused(result, "needs custom code to load")
+    assert "--trust_remote_code" in result.stderr
+    assert not marker.exists()
