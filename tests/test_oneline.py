@@ -5,6 +5,7 @@ docs/faults.md ("One line, not a traceback") lists them with these tests.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,8 +14,11 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import OFFLINE, REPO, assert_refused
+from textclf.config import TrainConfig, parse_config
+from textclf.data import read_inputs, read_labelled
 from textclf.errors import InputError
 from textclf.loading import load_trained
+from textclf.task import Task
 
 
 def code_shipping_folder(tmp_path, position=False):
@@ -58,3 +62,35 @@ def test_predict_never_prompts_to_run_a_folder_code(tmp_path):
     assert_refused(result, "needs custom code to load")
     assert "--trust_remote_code" in result.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("learning_rate: [1\nseed: 3\n", "expected ',' or ']', but got ':' (line 2, column 5)"),
+    ("seed: !!python/object/apply:os.system ['touch {marker}']\n", "could not determine a constructor for the tag"),
+], ids=["syntax error", "python tag"])
+def test_a_recipe_that_is_not_plain_yaml_is_one_line(tmp_path, recipe, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe.format(marker=tmp_path / "code-ran"))
+    with pytest.raises(InputError) as refused:
+        parse_config(["--config", str(path)])
+    assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1
+    assert not (tmp_path / "code-ran").exists()
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 40)])
+def test_a_seed_numpy_cannot_take_is_refused(seed):
+    with pytest.raises(InputError, match=re.escape(f"seed must be in [0, 2**32 - 1], got {seed}")):
+        parse_config(["--seed", seed])
+
+
+@pytest.mark.parametrize("suffix, rows", [
+    (".csv", "label,review\npos,23\nneg,45\n"),
+    (".jsonl", '{"review": 12, "label": "pos"}\n{"review": "x", "label": "neg"}\n'),
+], ids=["numbers", "mixed"])
+def test_a_text_column_of_numbers_is_refused(tmp_path, suffix, rows):
+    path = tmp_path / f"data{suffix}"
+    path.write_text(rows)
+    task = Task.from_config(TrainConfig())
+    for read in (read_labelled, read_inputs):  # training and report, predict
+        with pytest.raises(InputError, match="the text column 'review' holds .* values, not text; choose"):
+            read(str(path), task)
