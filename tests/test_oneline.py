@@ -8,16 +8,19 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import BertConfig
 
 from conftest import OFFLINE, REPO, assert_refused
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_inputs, read_labelled
 from textclf.errors import InputError
 from textclf.loading import load_trained
+from textclf.modeling import build_model
 from textclf.task import Task
 
 
@@ -94,3 +97,24 @@ def test_a_text_column_of_numbers_is_refused(tmp_path, suffix, rows):
     for read in (read_labelled, read_inputs):  # training and report, predict
         with pytest.raises(InputError, match="the text column 'review' holds .* values, not text; choose"):
             read(str(path), task)
+
+
+class RunsCode:
+    """A pickle that runs code when loaded: it leaves a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_only_model_to_train_is_one_line_and_runs_nothing(tmp_path):
+    folder = tmp_path / "model"
+    BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=32).save_pretrained(folder)
+    torch.save({"classifier.weight": torch.zeros(2, 16), "marker": RunsCode(tmp_path / "code-ran")},
+               folder / "pytorch_model.bin")
+    with pytest.raises(InputError, match="its weights are a pickle that holds more than tensors"):
+        build_model(str(folder), SimpleNamespace(pad_token_id=0), ["neg", "pos"], 32)
+    assert not (tmp_path / "code-ran").exists()

@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position
 from .errors import InputError
-from .modeling import apply_lora, needs_remote_code
+from .modeling import apply_lora, needs_remote_code, pickled_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -119,9 +119,7 @@ def _load_folder(folder: str, trust_remote_code: bool):
             raise needs_remote_code(folder) from None
         raise InputError(f"cannot load a model from {folder}: {str(e).splitlines()[0]}") from None
     except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
-        raise InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than "
-                         "tensors, which could run code when loaded; save the model as safetensors where it came from "
-                         "(save_pretrained does by default)") from None
+        raise pickled_weights(folder) from None
     # from_pretrained fills missing weights with random ones and only warns: refuse instead.
     incomplete = info["missing_keys"] or info["mismatched_keys"]
     if incomplete:

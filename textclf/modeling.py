@@ -2,6 +2,7 @@
 texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
 import os
+import pickle
 import shutil
 from typing import Optional
 
@@ -74,6 +75,13 @@ def needs_remote_code(model: str) -> InputError:
     """What transformers' refusal of a model's own code (trust_remote_code=False) says to the user."""
     return InputError(f"'{model}' needs custom code to load (its config's auto_map names Python files it ships); "
                       "pass --trust_remote_code if you trust that code")
+
+
+def pickled_weights(folder: str) -> InputError:
+    """What torch.load's weights_only refusal (a pickle that holds more than tensors) says to the user."""
+    return InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than tensors, "
+                      "which could run code when loaded; save the model as safetensors where it came from "
+                      "(save_pretrained does by default)")
 
 
 def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_length: int,
@@ -174,6 +182,8 @@ def build_model(model: str, tokenizer, label_names: list[str], max_length: int, 
                 model, config=config, dtype=dtype, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
+        except pickle.UnpicklingError:
+            raise pickled_weights(model) from None
     # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
     built._no_split_modules = layer_classes(built)
     if gradient_checkpointing:
