@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import BertConfig
+from transformers import BertConfig, BertForSequenceClassification
 
 from conftest import OFFLINE, REPO, assert_refused
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_inputs, read_labelled
 from textclf.errors import InputError
+from textclf.export import export_checkpoint
 from textclf.loading import load_trained
 from textclf.modeling import build_model
 from textclf.task import Task
@@ -118,3 +119,18 @@ def test_a_pickle_only_model_to_train_is_one_line_and_runs_nothing(tmp_path):
     with pytest.raises(InputError, match="its weights are a pickle that holds more than tensors"):
         build_model(str(folder), SimpleNamespace(pad_token_id=0), ["neg", "pos"], 32)
     assert not (tmp_path / "code-ran").exists()
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["model folder", "checkpoint"])
+def test_export_from_a_truncated_weights_file_is_one_line(tmp_path, checkpoint):
+    source = tmp_path / ("step_1" if checkpoint else "model")
+    BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32)).save_pretrained(source)
+    if checkpoint:
+        (source / "position.json").write_text(json.dumps({"step": 1, "epoch": 0, "batch_in_epoch": 1}))
+    weights = source / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(InputError) as refused:
+        export_checkpoint(str(source), str(tmp_path / "exported"))
+    assert str(source) in str(refused.value) and len(str(refused.value).splitlines()) == 1
+    assert not (tmp_path / "exported").exists()

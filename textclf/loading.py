@@ -17,6 +17,7 @@ import pickle
 import tempfile
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
@@ -114,6 +115,9 @@ def _load_folder(folder: str, trust_remote_code: bool):
         else:
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 folder, output_loading_info=True, trust_remote_code=trust_remote_code)
+    except SafetensorError as e:
+        raise InputError(f"cannot load a model from {folder}: a weights file is damaged or incomplete "
+                         f"({str(e).splitlines()[0]}); export it again") from None
     except (OSError, ValueError, KeyError) as e:
         if "trust_remote_code" in str(e):
             raise needs_remote_code(folder) from None
@@ -146,7 +150,13 @@ def _load_checkpoint(checkpoint: str, allow_pickle: bool, trust_remote_code: boo
         raise InputError(f"cannot build the model of {checkpoint}: {str(e).splitlines()[0]}") from None
     if run.get("lora"):  # the run's own settings rebuild the same adapters
         model = apply_lora(model, run["lora_r"], run["lora_alpha"], run["lora_dropout"], run["lora_target_modules"])
-    load_weights(model, checkpoint_weights(checkpoint, allow_pickle), checkpoint)
+    try:
+        weights = checkpoint_weights(checkpoint, allow_pickle)
+    # What safetensors, torch.load and DeepSpeed's consolidation raise on a truncated or damaged file.
+    except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise InputError(f"cannot read the weights of {checkpoint}: {(str(e).splitlines() or [type(e).__name__])[0]} "
+                         "(a damaged or incomplete file; use another step_<N>)") from None
+    load_weights(model, weights, checkpoint)
     return model, _load_tokenizer(os.path.join(checkpoint, "tokenizer"), trust_remote_code)
 
 
