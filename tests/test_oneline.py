@@ -8,20 +8,24 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 from transformers import BertConfig, BertForSequenceClassification
 
 from conftest import OFFLINE, REPO, assert_refused
+from textclf import check
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_inputs, read_labelled
 from textclf.errors import InputError
 from textclf.export import export_checkpoint
 from textclf.loading import load_trained
 from textclf.modeling import build_model
+from textclf.runtime import check_deepspeed_config, make_accelerator
 from textclf.task import Task
 
 
@@ -134,3 +138,60 @@ def test_export_from_a_truncated_weights_file_is_one_line(tmp_path, checkpoint):
         export_checkpoint(str(source), str(tmp_path / "exported"))
     assert str(source) in str(refused.value) and len(str(refused.value).splitlines()) == 1
     assert not (tmp_path / "exported").exists()
+
+
+def deepspeed_json(tmp_path, edit=None, text=None) -> Path:
+    """A copy of ds_configs/zero2.json changed by `edit(config)`, or the file `text`."""
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    if edit:
+        edit(config)
+    path = tmp_path / "ds.json"
+    path.write_text(text if text is not None else json.dumps(config))
+    return path
+
+
+DEEPSPEED_MISTAKES = {
+    "syntax error": (dict(text='{"zero_optimization": {"stage": 2,}}'), "cannot read DeepSpeed config"),
+    "stage 4": (dict(edit=lambda ds: ds["zero_optimization"].update(stage=4)),
+                "DeepSpeed refuses it: DeepSpeedZeroConfig stage: Input should be 0, 1, 2, 3"),
+    "stagee": (dict(edit=lambda ds: ds["zero_optimization"].update(stagee=2)),
+               "DeepSpeed refuses it: DeepSpeedZeroConfig stagee: Extra inputs are not permitted"),
+    "offload to gpu": (dict(edit=lambda ds: ds["zero_optimization"].update(offload_optimizer={"device": "gpu"})),
+                       "offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme' (got \"gpu\")"),
+}
+
+
+@pytest.mark.parametrize("mistake", DEEPSPEED_MISTAKES)
+def test_a_deepspeed_json_deepspeed_would_refuse_stops_train_py_and_the_check(tmp_path, monkeypatch, capsys,
+                                                                              mistake):
+    changes, message = DEEPSPEED_MISTAKES[mistake]
+    ds_path = deepspeed_json(tmp_path, **changes)
+    # train.py: before the Accelerator, data or model (DeepSpeed itself reads it at prepare()).
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds_path))
+    with pytest.raises(InputError, match=re.escape(message)) as refused:
+        make_accelerator(TrainConfig(report_to="none"))
+    assert str(ds_path) in str(refused.value) and len(str(refused.value).splitlines()) == 1
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    # The check: one error line, where it said "ZeRO-4" or "ZeRO-0".
+    config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
+    config["deepspeed_config"]["deepspeed_config_file"] = str(ds_path)
+    yaml_path = tmp_path / "zero2.yaml"
+    yaml_path.write_text(yaml.safe_dump(config))
+    assert check.main(["--config_file", str(yaml_path), "--target", "cpu", "--cache_dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and str(ds_path) in errors[0], err
+    assert "ZeRO-" not in out
+
+
+def test_every_shipped_deepspeed_json_passes_deepspeed_s_own_parsing():
+    """check_deepspeed_config runs DeepSpeedConfig._initialize_params (a private method): it must accept the
+    shipped files, "auto" values included, and still refuse a stage DeepSpeed does not have."""
+    for path in sorted((REPO / "ds_configs").glob("*.json")):
+        config = json.loads(path.read_text())
+        check_deepspeed_config(config, str(path))
+        config["zero_optimization"]["stage"] = 5
+        with pytest.raises(InputError, match="stage"):
+            check_deepspeed_config(config, str(path))
