@@ -191,7 +191,8 @@ def main(cfg: TrainConfig) -> None:
         metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
     accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
-                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint})
+                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint},
+                             trust_remote_code=cfg.trust_remote_code)
     accelerator.print(f"model exported to {model_dir}")
     accelerator.end_training()
 

@@ -252,6 +252,8 @@ class TrainConfig:
             value = getattr(self, name)
             if (value is not None or name in positive) and value <= 0:
                 raise InputError(f"{name} must be a positive integer, got {value}")
+        if not 0 <= self.seed < 2 ** 32:  # what numpy's seed takes (accelerate's set_seed seeds numpy too)
+            raise InputError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
         if self.learning_rate is None:
             self.learning_rate = default_learning_rate(self.model, self.lora)
         if self.learning_rate <= 0 or self.num_train_epochs <= 0:
@@ -416,6 +418,11 @@ def _recipe_args(path: str) -> list[str]:
             recipe = yaml.safe_load(f) or {}
     except OSError as e:
         raise InputError(f"cannot read config recipe {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:  # a syntax error, or a tag such as !!python/object, which safe_load refuses
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise InputError(f"cannot read config recipe {path}: {getattr(e, 'problem', None) or e}{where}; "
+                         "a recipe is plain YAML of key: value") from None
     if not isinstance(recipe, dict):
         raise InputError(f"config recipe {path} must be a mapping of key: value")
     unknown = sorted(set(recipe) - set(field_names()))

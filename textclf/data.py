@@ -263,12 +263,22 @@ def require_column(table: Dataset, path: str, role: str, column: str) -> None:
         raise InputError(f"{path} has no {role} column '{column}'; its columns are: {', '.join(names)} ({hint})")
 
 
+def require_text_column(table: Dataset, path: str, role: str, column: str) -> None:
+    """The column exists and holds text: a column the file's reader typed as numbers is another column."""
+    require_column(table, path, role, column)
+    feature = table.features[column]
+    if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string", "null"):
+        kind = feature.dtype if isinstance(feature, datasets.Value) else "mixed or structured"
+        raise InputError(f"{path}: the {role} column '{column}' holds {kind} values, not text; choose the column "
+                         f"of texts with --{role}_column (its columns are: {', '.join(table.column_names)})")
+
+
 def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     """Keep the task's text, pair (for pairs) and label columns as `text`, `text_pair` and `label` (as they
     are: the task reads labels), with rows whose text is empty dropped."""
     texts = task.text_columns
     for role, column in texts.items():
-        require_column(table, path, role, column)
+        require_text_column(table, path, role, column)
     require_column(table, path, "label", task.label_column)
     columns = [*texts.values(), task.label_column]
     table = table.select_columns(columns)
@@ -290,7 +300,7 @@ def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding
     answers row i."""
     table = load_table(path, delimiter, encoding)
     for role, column in task.text_columns.items():
-        require_column(table, path, role, column)
+        require_text_column(table, path, role, column)
     texts = {role: [clean_text(text) for text in table[column]] for role, column in task.text_columns.items()}
     return texts["text"], texts.get("text_pair")
 

@@ -1,5 +1,7 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
+import copy
+import json
 import logging
 import os
 import platform
@@ -38,6 +40,9 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
                          "use bf16 or no on this machine")
     check_trackers(cfg.report_to)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if deepspeed and ds_file != "none":  # before anything is built: DeepSpeed itself reads it only at prepare()
+        check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
     if deepspeed and not has_cuda:
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
     trackers = {"none": None, "all": "all"}.get(cfg.report_to, [cfg.report_to])
@@ -66,6 +71,43 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if plugin is not None and zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
         load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
     return accelerator
+
+
+def read_deepspeed_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"DeepSpeed config {path} is not a JSON object")
+    return config
+
+
+def check_deepspeed_config(config: dict, place: str) -> None:
+    """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
+    not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
+
+    DeepSpeed's own parsing of every section does the checking, with the "auto" values that accelerate fills
+    in at prepare() left out as DeepSpeed leaves them out.
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    # DeepSpeedConfig's __init__ parses the sections (_initialize_params), then does batch-size arithmetic that
+    # needs the process group and the values accelerate has not filled in yet: only the first part runs here.
+    parsed = object.__new__(DeepSpeedConfig)
+    try:
+        parsed._initialize_params(copy.deepcopy(config))
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(map(str, first["loc"]))
+        got = f" (got {json.dumps(first['input'], default=str)})" if first["type"] != "extra_forbidden" else ""
+        raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
+    except (ValueError, TypeError, AssertionError, KeyError) as e:
+        raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def resolve_precision(asked):
