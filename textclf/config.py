@@ -290,6 +290,10 @@ class TrainConfig:
 
         if self.text_pair_column == self.text_column:
             raise InputError(f"text_pair_column is the text column '{self.text_column}'; name a second column")
+        for role in ("text", "text_pair"):
+            if getattr(self, f"{role}_column") == self.label_column:
+                raise InputError(f"column '{self.label_column}' is both the {role} and the label column; name the "
+                                 f"texts with --{role}_column and the labels with --label_column")
         if not self.label_separator:
             raise InputError("label_separator must not be empty")
         if not 0 < self.threshold < 1:
