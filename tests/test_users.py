@@ -90,3 +90,83 @@ def test_the_same_column_for_text_and_label_is_refused_by_the_config():
 
     with pytest.raises(InputError, match="column 'review' is both the text and the label column"):
         TrainConfig(text_column="review", label_column="review")
+
+
+# --- trackers, the Trainer's way ---------------------------------------------------------------------------
+
+def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
+    from textclf.config import TrainConfig, parse_config
+
+    assert parse_config([]).report_to == ["tensorboard"]
+    assert parse_config(["--report_to", "wandb", "tensorboard"]).report_to == ["wandb", "tensorboard"]
+    assert TrainConfig(report_to="none").report_to == ["none"]  # a checkpoint's config from before lists
+    with pytest.raises(InputError, match="'none' and 'all' stand alone"):
+        parse_config(["--report_to", "none", "tensorboard"])
+
+
+def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
+    from textclf import runtime
+
+    monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard"])
+    with pytest.raises(InputError, match="--report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "
+                                         ".*mlflow"):
+        runtime.check_trackers(["tensorbord"])
+    with pytest.raises(InputError, match="--report_to tensorboard mlflow, but mlflow is not installed; "
+                                         "pip install mlflow"):
+        runtime.check_trackers(["tensorboard", "mlflow"])
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_never_tensorboard(
+        tmp_path, monkeypatch, fresh_accelerator_state):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from textclf import tracking
+    from textclf.config import TrainConfig
+
+    class Recorder(GeneralTracker):
+        """A tracker registered the way accelerate documents (register_tracker_class): records its project."""
+        name, requires_logging_directory, projects = "recorder", False, []
+
+        def __init__(self, project_name, **kwargs):
+            super().__init__()
+            Recorder.projects.append(project_name)
+
+        @property
+        def tracker(self):
+            return None
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            pass
+
+    monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, "recorder", Recorder)
+    for project in (None, "reviews"):
+        out = tmp_path / str(project)
+        cfg = TrainConfig(report_to=["tensorboard", "recorder"], run_name="first", project_name=project,
+                          output_dir=str(out))
+        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+                                  project_dir=cfg.output_dir)
+        tracking.start_trackers(accelerator, cfg.to_dict())
+        for step in (1, 2):
+            accelerator.log({"loss": 1.0 / step}, step=step)
+        accelerator.end_training()
+        AcceleratorState._reset_state(True)
+    assert Recorder.projects == [None, "reviews"]  # each tracker's own convention, or --project_name
+    events = EventAccumulator(str(tmp_path / "None" / "tensorboard" / "first"))
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
+
