@@ -101,7 +101,7 @@ def main(cfg: TrainConfig) -> None:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
-    accelerator.init_trackers("tensorboard", config=tracking.flat_config(cfg.to_dict()))
+    tracking.start_trackers(accelerator, cfg.to_dict())
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 

@@ -240,8 +240,22 @@ class TrainConfig:
 
     # --- logging ---
     logging_steps: int = field(default=20, metadata={"help": "Log loss and lr every this many optimizer steps."})
-    report_to: Literal["none", "tensorboard", "wandb", "all"] = field(
-        default="tensorboard", metadata={"help": "Experiment trackers to log to."}
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={"help": "Experiment trackers to log to, as the Trainer takes them: one or more names of "
+                  "trackers accelerate supports (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, "
+                  "swanlab, trackio; installed), 'all' (every one installed) or 'none'. TensorBoard writes to "
+                  "<output_dir>/tensorboard."},
+    )
+    project_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "The trackers' project (W&B project, MLflow experiment, ...). Unset: each tracker's own "
+                  "convention (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME, COMET_PROJECT_NAME, ...)."},
+    )
+    run_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "The run's name in the trackers (as the Trainer's run_name); TensorBoard writes to "
+                  "<output_dir>/tensorboard/<run_name>."},
     )
 
     def __post_init__(self):
@@ -284,6 +298,11 @@ class TrainConfig:
         if self.early_stopping_patience is not None and not self.load_best_model_at_end:
             raise InputError("early_stopping_patience needs --load_best_model_at_end (as the Trainer's "
                              "EarlyStoppingCallback): the run ends with the best model, not the last one")
+        if isinstance(self.report_to, str):  # a checkpoint's config from before report_to took a list
+            self.report_to = [self.report_to]
+        if len(self.report_to) > 1 and {"none", "all"} & set(self.report_to):
+            raise InputError(f"report_to {' '.join(self.report_to)}: 'none' and 'all' stand alone; pass one of "
+                             "them, or a list of tracker names")
         self._check_task()
 
     def _check_task(self):
@@ -292,6 +311,10 @@ class TrainConfig:
 
         if self.text_pair_column == self.text_column:
             raise InputError(f"text_pair_column is the text column '{self.text_column}'; name a second column")
+        for role in ("text", "text_pair"):
+            if getattr(self, f"{role}_column") == self.label_column:
+                raise InputError(f"column '{self.label_column}' is both the {role} and the label column; name the "
+                                 f"texts with --{role}_column and the labels with --label_column")
         if not self.label_separator:
             raise InputError("label_separator must not be empty")
         if not 0 < self.threshold < 1:
@@ -325,7 +348,7 @@ RESUME_MAY_CHANGE = (
     "resume", "output_dir", "overwrite_output_dir", "max_steps", "num_train_epochs",
     "logging_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "save_strategy", "save_steps",
     "save_total_limit", "load_best_model_at_end", "early_stopping_patience",
-    "report_to", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
+    "report_to", "project_name", "run_name", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
 )
 
 # --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.
