@@ -427,8 +427,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
         if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
-            raise InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}); its own "
-                             f"message says why; {then}") from None
+            raise InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its own "
+                             f"message or the launcher's report says why); {then}") from None
         raise write_failed("save checkpoint", final, e, advice) from None
     accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:

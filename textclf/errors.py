@@ -47,7 +47,7 @@ def run_command(main):
     except Exception as e:
         if not peer_ended(e):
             raise
-        report(InputError(f"{PEER_ENDED} ({gist(e)}); its own message says why"))
+        report(InputError(f"{PEER_ENDED} ({gist(e)}); its own message or the launcher's report says why"))
         exit_now(1)
 
 
