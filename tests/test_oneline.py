@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import save_file
 from transformers import BertConfig, BertForSequenceClassification
 
-from conftest import OFFLINE, REPO, assert_refused, free_port
+from conftest import OFFLINE, REPO, TINY, assert_refused, free_port, run_train
 from textclf import check
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_inputs, read_labelled
@@ -264,3 +264,22 @@ def test_a_rank_whose_collective_failed_after_another_ended_says_one_line(peer_g
     assert err.splitlines() == [f"error: {PEER_ENDED} (Connection closed by peer "
                                 + err.split("(Connection closed by peer ")[1].splitlines()[0]]
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_deepspeed_json_deepspeed_would_refuse_is_said_once_under_a_launch(tmp_path, reviews_csv, cache_dir):
+    config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
+    config["deepspeed_config"]["deepspeed_config_file"] = str(
+        deepspeed_json(tmp_path, lambda ds: ds["zero_optimization"].update(stage=4)))
+    yaml_path = tmp_path / "zero2.yaml"
+    yaml_path.write_text(yaml.safe_dump(config))
+    result = run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", tmp_path / "out"],
+                       yaml_path, check=False)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and "DeepSpeedZeroConfig stage: Input should be 0, 1, 2, 3" in errors[0], result.stderr
+    # Before it nothing but the launcher's and libraries' log lines; after it only the launcher's report.
+    assert "Traceback" not in "\n".join(lines[:lines.index(errors[0])])
+    after = lines[lines.index(errors[0]) + 1:]
+    assert not [line for line in after[:after.index("Traceback (most recent call last):")] if "[rank" in line]
+    assert result.returncode != 0 and not (tmp_path / "out").exists()
