@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import load
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
-from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
+from .errors import PEER_ENDED, WRITE_ERRORS, InputError, checked_on_main_process, gist, peer_ended, write_failed
 
 POSITION = "position.json"
 # Where accelerate's save_state puts FSDP's sharded model state: a torch.distributed.checkpoint folder,
@@ -506,9 +506,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
     previous = complete_checkpoints(output_dir)
-    advice = (f"free space (or choose another --output_dir), then continue with --resume latest (the newest complete "
-              f"checkpoint, {previous[-1][1]}, is untouched)" if previous else
-              "free space (or choose another --output_dir) and start again: no checkpoint was completed yet")
+    then = (f"continue with --resume latest (the newest complete checkpoint, {previous[-1][1]}, is untouched)"
+            if previous else "start again: no checkpoint was completed yet")
+    advice = f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
@@ -517,6 +517,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     except WRITE_ERRORS as e:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
+        if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
+            raise InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its own "
+                             f"message or the launcher's report says why); {then}") from None
         raise write_failed("save checkpoint", final, e, advice) from None
     accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:
