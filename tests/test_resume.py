@@ -417,7 +417,7 @@ def fake_checkpoint(folder, **made_with):
 
 MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "learning_rate": 0.002,
              "max_length": 24, "text_column": "comment", "label_column": "sentiment", "logging_steps": 1,
-             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": "none"}
+             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": ["none"]}
 
 
 def test_resume_by_path_alone_takes_the_checkpoint_s_config_and_folder(tmp_path):
