@@ -60,7 +60,7 @@ def main(cfg: TrainConfig) -> None:
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:
-        position = checkpoint.read_position(resume_from)
+        position = checkpoint.read_verified_position(resume_from)
         checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
     best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
     if best and cfg.load_best_model_at_end:
@@ -101,7 +101,7 @@ def main(cfg: TrainConfig) -> None:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
-    accelerator.init_trackers("tensorboard", config=tracking.flat_config(cfg.to_dict()))
+    tracking.start_trackers(accelerator, cfg.to_dict())
     stop_requested = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
 
@@ -191,7 +191,8 @@ def main(cfg: TrainConfig) -> None:
         metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
     accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
-                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint})
+                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint},
+                             trust_remote_code=cfg.trust_remote_code)
     accelerator.print(f"model exported to {model_dir}")
     accelerator.end_training()
 

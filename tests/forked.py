@@ -11,6 +11,7 @@ process) rather than from the test process: a process forked after torch has run
 started its threads may hang, and the test process has done both.
 """
 
+import atexit
 import multiprocessing
 import os
 import shutil
@@ -33,9 +34,8 @@ def launch_env(config_file, num_processes: int, port: int, launch_args=()) -> di
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--num_processes",
-                                               str(num_processes), "--main_process_port", str(port), *map(str, launch_args),
-                                               "train.py"])
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--num_processes", str(num_processes),
+                                               "--main_process_port", str(port), *map(str, launch_args), "train.py"])
     # A private function: it is where `accelerate launch` applies the config file's values to its arguments
     # (tests/test_zoo.py checks the environment it gives against a real launch).
     args, defaults, mixed_precision_from_config = _validate_launch_command(args)
@@ -52,6 +52,8 @@ def launch_env(config_file, num_processes: int, port: int, launch_args=()) -> di
 
 
 def rank_env(env: dict[str, str], rank: int) -> dict[str, str]:
+    if "WORLD_SIZE" not in env:  # `python train.py`: no launcher, no rank
+        return env
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
 
 
@@ -67,30 +69,37 @@ def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> N
     sys.argv = ["train.py", *args]
     import torch
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch read the variable when the server started
+    if "OMP_NUM_THREADS" in os.environ:  # torch read the variable when the server started
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     import train
     from textclf.config import parse_config
     from textclf.errors import run_command
     from textclf.runtime import exit_finished_run
 
-    cfg = run_command(lambda: parse_config(args))
-    run_command(lambda: train.main(cfg))
-    exit_finished_run()
+    try:
+        cfg = run_command(lambda: parse_config(args))
+        run_command(lambda: train.main(cfg))
+        exit_finished_run()
+    finally:  # what the interpreter's exit runs after `python train.py` (multiprocessing's child skips it)
+        atexit._run_exitfuncs()
 
 
-def run_forked(args, num_processes=2, config_file=REPO / "accelerate_configs" / "cpu.yaml", launch_args=(), env=None,
-               timeout=900) -> subprocess.CompletedProcess:
+def run_forked(args, num_processes, config_file, launch_args=(), env=None, timeout=900) -> subprocess.CompletedProcess:
     """train.py with `args` on `num_processes` ranks as `config_file` (and `launch_args`, such as
-    `--mixed_precision bf16`) sets them up, the ranks forked after the imports. Returns what `subprocess.run` would for `accelerate launch`: the first failed rank's exit code
-    (the others are then stopped, as torchrun stops them), and every rank's output, rank 0's first."""
+    `--mixed_precision bf16`) sets them up, the ranks forked after the imports; with config_file None, one
+    process as `python train.py` runs it. Returns what `subprocess.run` would for the launch: the first failed
+    rank's exit code (the others are then stopped, as torchrun stops them), and every rank's output, rank 0's
+    first."""
     from conftest import OFFLINE, free_port
 
+    assert config_file or num_processes == 1, "several processes need a config file"
     port = free_port()
-    rank_env = {**launch_env(config_file, num_processes, port, launch_args), **OFFLINE, **(env or {})}
+    launched = {**os.environ} if config_file is None else launch_env(config_file, num_processes, port, launch_args)
+    shared_env = {**launched, **OFFLINE, **(env or {})}
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
     outputs = Path(tempfile.mkdtemp(prefix="forked-")) / "rank"
-    ranks = [context.Process(target=rank_main, args=(rank, list(map(str, args)), rank_env, f"{outputs}.{rank}"))
+    ranks = [context.Process(target=rank_main, args=(rank, list(map(str, args)), shared_env, f"{outputs}.{rank}"))
              for rank in range(num_processes)]
     for process in ranks:
         process.start()

@@ -114,16 +114,17 @@ def test_fsdp_checkpoint_layouts_export_too(save_weights, tiny_model, tmp_path):
     weights as accelerate's FSDP saving writes them."""
     from transformers import AutoTokenizer
 
+    from textclf.checkpoint import complete
     from textclf.errors import InputError
     from textclf.export import export_checkpoint
 
     checkpoint = tmp_path / "step_1"
     checkpoint.mkdir()
-    (checkpoint / "position.json").write_text(json.dumps({"step": 1, "config": {"lora": False}}))
     shutil.copy(tiny_model / "config.json", checkpoint)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(checkpoint / "tokenizer")
     weights = load_file(tiny_model / "model.safetensors")
     save_weights(weights, checkpoint)
+    complete(str(checkpoint), {"step": 1, "config": {"lora": False}})  # position.json, last, as train.py writes it
 
     pickled = save_weights is _save_fsdp_sharded
     if pickled:
@@ -166,10 +167,12 @@ def _step_folder_without_position(model, tmp_path):
 
 
 def _checkpoint_without_weights(model, tmp_path):
+    from textclf.checkpoint import complete
+
     folder = tmp_path / "step_4"
     folder.mkdir()
-    (folder / "position.json").write_text(json.dumps({"step": 4}))
     shutil.copy(model / "config.json", folder)
+    complete(str(folder), {"step": 4})
     return folder
 
 

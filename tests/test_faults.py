@@ -86,6 +86,67 @@ def test_two_runs_started_together_one_owns_the_folder_and_the_other_says_which_
     assert f"resumed from {out / 'step_60'} at optimizer step 60" in result.stdout
 
 
+def test_a_run_waiting_on_the_lock_while_overwrite_moves_the_folder_aside_does_not_take_it_too(tmp_path, monkeypatch):
+    """Run A (--overwrite_output_dir) holds <dir>/.lock and moves the folder aside, lock file and all, while
+    run B, which opened that .lock, waits to lock it: when A lets go of the moved file, B must see that it is
+    no longer the folder's .lock (which A now holds) and be refused, not own the folder beside A. flock
+    locks belong to open files, so two threads that each open .lock contend as two processes do. The
+    delays are injected: A's rename waits until B has opened the lock file, B's lock until A is done."""
+    from accelerate import Accelerator
+
+    from textclf import checkpoint
+    from textclf.errors import InputError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text("the previous run\n")
+    runs = {}
+    b_opened, a_done = threading.Event(), threading.Event()
+    real_flock, real_rename = checkpoint.fcntl.flock, os.rename
+
+    def flock(file, operation):
+        if threading.current_thread().name == "B" and not b_opened.is_set():
+            b_opened.set()
+            assert a_done.wait(timeout=60)
+        return real_flock(file, operation)
+
+    def slow_rename(source, target):  # the window of the issue, made as long as it takes
+        assert b_opened.wait(timeout=60)
+        real_rename(source, target)
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", flock)
+    monkeypatch.setattr(os, "rename", slow_rename)
+    accelerator = Accelerator(cpu=True)
+
+    def claim(name):
+        try:
+            checkpoint.claim_output_dir(accelerator, str(out), None, True, None)
+            runs[name] = "owns it"
+        except InputError as e:
+            runs[name] = str(e)
+        finally:
+            if name == "A":
+                a_done.set()
+
+    a = threading.Thread(target=claim, args=("A",), name="A")
+    a.start()
+    wait_until(lambda: (out / ".lock").exists() and (out / ".lock").read_text(), "A holds the lock")
+    b = threading.Thread(target=claim, args=("B",), name="B")
+    b.start()
+    a.join(timeout=120)
+    b.join(timeout=120)
+    try:
+        assert runs["A"] == "owns it"
+        assert runs["B"].startswith(f"{out} is in use by another run (pid {os.getpid()} on "), runs
+        aside = [path for path in tmp_path.iterdir() if path.name.startswith("run.replaced-")]
+        assert len(aside) == 1 and (aside[0] / "log.jsonl").read_text() == "the previous run\n"
+        assert os.listdir(out) == [".lock"]  # A's new folder, which B never took
+    finally:
+        for held in [f for f in checkpoint._held_locks if f.name.startswith(str(tmp_path))]:
+            checkpoint._held_locks.remove(held)
+            held.close()
+
+
 @pytest.mark.slow
 def test_overwrite_output_dir_moves_the_old_run_aside_and_resume_latest_continues_the_new_one(
         tmp_path, args, four_step_run):
@@ -310,6 +371,11 @@ def test_a_full_disk_under_accelerate_launch_is_one_line_from_rank_0_and_every_r
             f"error: cannot save checkpoint {out / 'step_2'}: " + errors[0].split(": ", 2)[2]], result.stderr[-3000:]
         assert "and start again: no checkpoint was completed yet" in errors[0]
         assert not [p for p in out.iterdir() if p.name.startswith("step_")]
+        # Rank 1, whose barrier fails once rank 0 has ended, prints nothing of its own (no gloo traceback).
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        after = lines[lines.index(errors[0]) + 1:]
+        launcher_report = after.index("Traceback (most recent call last):")
+        assert all(TORCHRUN_LOG_LINE.match(line) for line in after[:launcher_report]), "\n".join(after)
 
 
 @pytest.mark.slow

@@ -61,20 +61,22 @@ def fake_wandb(logged_in: bool):
 def test_a_tracker_that_cannot_start_is_refused(monkeypatch, report_to, modules, message):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setattr(runtime, "is_wandb_available", lambda: True)
+    monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     with pytest.raises(InputError, match=message.replace("(", r"\(")):
-        runtime.check_trackers(report_to)
+        runtime.check_trackers([report_to])
 
 
 def test_trackers_that_can_start_pass(monkeypatch):
+    monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(True))
-    runtime.check_trackers("wandb")
+    runtime.check_trackers(["wandb"])
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(False))
     monkeypatch.setenv("WANDB_MODE", "offline")  # an offline run needs no login
-    runtime.check_trackers("wandb")
-    runtime.check_trackers("tensorboard")
-    runtime.check_trackers("none")
+    runtime.check_trackers(["wandb", "tensorboard"])
+    runtime.check_trackers(["tensorboard"])
+    runtime.check_trackers(["none"])
 
 
 @pytest.mark.parametrize("tracker, shadow", [

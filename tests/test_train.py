@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, \
     BertForSequenceClassification, pipeline
 
-from conftest import ASPECTS, REPO, TINY, read_log, run_train
+from conftest import ASPECTS, REPO, TINY, assert_refused, read_log, run_train
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 
@@ -164,15 +164,34 @@ BAD_INPUTS = {
 }
 
 
+def refusal(args) -> str:
+    """What train.py refuses `args` with, found in this process: parsing, then the data, tokenizer and model
+    it would train (what train.py reads before it writes anything)."""
+    from textclf.config import parse_config
+    from textclf.errors import InputError
+    from textclf.job import build_job
+
+    with pytest.raises(InputError) as refused:
+        build_job(parse_config(list(map(str, args))))
+    return str(refused.value)
+
+
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_is_one_clear_line_and_writes_nothing(case, tmp_path, cache_dir):
     make_args, message = BAD_INPUTS[case]
     out = tmp_path / "out"
-    result = run_train([*TINY, "--cache_dir", cache_dir, "--output_dir", out, *make_args(tmp_path)], check=False)
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    error = refusal([*TINY, "--cache_dir", cache_dir, "--output_dir", out, *make_args(tmp_path)])
+    assert len(error.splitlines()) == 1 and message in error, error
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["unknown config key", "missing file"])
+def test_train_py_says_bad_input_in_one_error_line_with_exit_code_2(case, tmp_path, cache_dir):
+    """The command's side of the contract, for one mistake found while parsing and one found in the data."""
+    make_args, message = BAD_INPUTS[case]
+    out = tmp_path / "out"
+    assert_refused(run_train([*TINY, "--cache_dir", cache_dir, "--output_dir", out, *make_args(tmp_path)],
+                             check=False), message)
     assert not out.exists()
 
 

@@ -31,7 +31,7 @@ from .errors import InputError
 from .job import load_data
 from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
                        parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
-from .runtime import COMPILE_REFUSED, zero_offload
+from .runtime import COMPILE_REFUSED, check_deepspeed_config, zero_offload
 from .task import Task
 from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
                      framework_buffer_bytes, model_state_bytes)
@@ -182,12 +182,14 @@ def read_deepspeed(launch: dict, conflicts: list[str]) -> tuple[Optional[dict], 
         field for field in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if field != "mixed_precision")
     try:
         with patch_environment(**env):
-            return DeepSpeedPlugin().deepspeed_config, place
+            config = DeepSpeedPlugin().deepspeed_config
     except json.JSONDecodeError as e:
         raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
     except ValueError as e:
         conflicts.append(f"{launch['path']} with {place}: accelerate refuses it: {str(e).splitlines()[0]}")
         return None, place
+    check_deepspeed_config(config, place)
+    return config, place
 
 
 def deepspeed_precision(launch: dict, ds: dict, ds_place: str, precision: str, source: str,
@@ -333,7 +335,7 @@ def learnt_vocabulary(cfg: TrainConfig) -> Optional[int]:
     except InputError:
         return None
     folder = scratch_tokenizer_folder(cfg.cache_dir, data_fingerprint)
-    return len(AutoTokenizer.from_pretrained(folder)) if os.path.isdir(folder) else None
+    return len(AutoTokenizer.from_pretrained(folder, trust_remote_code=False)) if os.path.isdir(folder) else None
 
 
 def count_parameters(cfg: TrainConfig) -> tuple[int, int]:

@@ -4,10 +4,11 @@ and the output folder that one run at a time owns.
 A checkpoint is what `accelerator.save_state` writes plus `position.json`: the loop position
 (optimizer step, epoch, batches consumed in that epoch), what the run was made with (world size,
 gradient accumulation, micro batch, model, data fingerprint), its evaluation, the resolved config,
-each rank's loss window (tracking.Window), and the list of its files with their sizes (and sha256
-for those up to HASHED_UP_TO). `position.json` is written last, inside a temporary folder that is
-then renamed, so a `step_<N>/` folder either is complete or does not exist; resume checks every
-file against the list before a step runs.
+each rank's loss window (tracking.Window), the list of its files with their sizes and sha256, and a
+sha256 of its own fields. `position.json` is written last, inside a temporary folder that is then
+renamed, so a `step_<N>/` folder either is complete or does not exist. Whatever loads a checkpoint
+(resume, the best model's reload, export, predict, report) first reads every file in full against
+the list: a changed byte anywhere is refused, naming the file.
 
 Folders are deleted through a rename (`.deleting_<name>`), so a kill mid-way never leaves a half
 deleted folder that looks like a checkpoint. What a killed run leaves (`.incomplete_step_<N>`,
@@ -24,13 +25,14 @@ import shutil
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from accelerate import Accelerator
 from accelerate.utils import load
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
-from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
+from .errors import PEER_ENDED, WRITE_ERRORS, InputError, checked_on_main_process, gist, peer_ended, write_failed
 
 POSITION = "position.json"
 # Where accelerate's save_state puts FSDP's sharded model state: a torch.distributed.checkpoint folder,
@@ -40,10 +42,6 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 INCOMPLETE = ".incomplete_"  # + step_<N>: a checkpoint being written
 DELETING = ".deleting_"  # + step_<N>: a checkpoint being deleted
 LOCK = ".lock"  # held (flock) by the main process of the run that owns the folder
-# Files up to this size are hashed when a checkpoint is completed and when it is resumed: every state
-# file but the weights and the optimizer's moments. Those are checked by size: measured on scratch-base
-# (1.04 GB), sha256 took 1.5-1.8 s against 0.7-4.5 s for save_state itself, and it grows with the model.
-HASHED_UP_TO = 16 * 2 ** 20
 # What a run stores of its loss window, per rank (tracking.Window.state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
                "padded_tokens": (int,)}
@@ -96,6 +94,24 @@ def read_position(checkpoint: str) -> dict:
         raise InputError(f"{path} is unreadable: {e}") from None
     if not isinstance(position, dict):
         raise InputError(f"{path} is not a JSON object; resume from another checkpoint")
+    return position
+
+
+def sealed(position: dict) -> dict:
+    """position with a sha256 of its other fields, so that a changed byte in position.json is seen too."""
+    fields = {key: value for key, value in position.items() if key != "sha256"}
+    # Hashed as JSON reads it back: int keys become strings, tuples lists, and the checksum still matches.
+    text = json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False)
+    return {**fields, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def read_verified_position(checkpoint: str) -> dict:
+    """read_position, refusing a position.json whose fields are not the ones saved (its own sha256 differs).
+    One written before positions carried a sha256 has none to check (verify_files says so)."""
+    position = read_position(checkpoint)
+    if "sha256" in position and sealed(position)["sha256"] != position["sha256"]:
+        raise InputError(f"cannot load checkpoint {checkpoint}: {POSITION} is not the file that was saved (its sha256 "
+                         "differs); use another checkpoint")
     return position
 
 
@@ -208,18 +224,39 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def sha256_all(paths: list[str]) -> list:
+    """sha256 of each file, or the OSError that reading it raised; in threads, as hashlib hashes without
+    holding the GIL (docs/checkpoints.md: what it costs)."""
+    def digest(path):
+        try:
+            return sha256(path)
+        except OSError as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(digest, paths))
+
+
 def manifest(folder: str) -> dict:
-    """Every file of a checkpoint folder but position.json: its size, and its sha256 up to HASHED_UP_TO."""
-    files = {}
+    """Every file of a checkpoint folder but position.json: its size and sha256, read back once written."""
+    sizes = {}
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
-            if relative == POSITION:
-                continue
-            size = os.path.getsize(path)
-            files[relative] = {"size": size, **({"sha256": sha256(path)} if size <= HASHED_UP_TO else {})}
-    return dict(sorted(files.items()))
+            if relative != POSITION:
+                sizes[relative] = os.path.getsize(path)
+    names = sorted(sizes)
+    digests = sha256_all([os.path.join(folder, name) for name in names])
+    for name, digest in zip(names, digests):
+        if isinstance(digest, OSError):
+            raise digest
+    return {name: {"size": sizes[name], "sha256": digest} for name, digest in zip(names, digests)}
+
+
+def complete(folder: str, position: dict, advice: str = "free space or make the folder writable, then run again") -> None:
+    """Write position.json, last: the position, the list of the folder's files and its own sha256."""
+    write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}), advice)
 
 
 def required_states(world_size: int, zero_stage: Optional[int]) -> list[tuple[str, str]]:
@@ -239,31 +276,67 @@ def required_states(world_size: int, zero_stage: Optional[int]) -> list[tuple[st
     return needed
 
 
-def verify_files(checkpoint: str, position: dict) -> None:
-    """Every file exact resume needs is there and readable, and every file the checkpoint recorded when
-    it was completed is there with the same size (and sha256): one line per file that is not."""
+def listed_files(position: dict) -> Optional[dict]:
     files = position.get("files")
-    if not isinstance(files, dict) or not files or not all(isinstance(v, dict) for v in files.values()):
-        raise InputError(f"cannot resume from {checkpoint}: its {POSITION} lists no files to check it against "
-                         "(written by an older textclf, or edited); resume from a checkpoint this version wrote")
-    problems = [f"{name} is not among the files it recorded" for name, pattern in
-                required_states(position["world_size"], position["zero_stage"])
-                if not any(re.fullmatch(pattern, recorded) for recorded in files)]
+    valid = isinstance(files, dict) and files and all(isinstance(v, dict) for v in files.values())
+    return files if valid else None
+
+
+def recorded_file_problems(checkpoint: str, position: dict) -> list[str]:
+    """How the files differ from the list position.json recorded when the checkpoint was completed: each is
+    read in full and hashed, whatever its size. One line per file."""
+    files = listed_files(position)
+    if files is None:
+        return [f"its {POSITION} lists no files to check it against (written by an older textclf, or edited); "
+                "use a checkpoint this version wrote"]
+    # Before position.json had a sha256 of its own, files above 16 MiB were recorded by size alone.
+    older = "sha256" not in position
+    problems, to_hash = [], []
     for name, recorded in files.items():
         path = os.path.join(checkpoint, name)
         try:
             size = os.path.getsize(path)
-            if size != recorded.get("size"):
-                problems.append(f"{name} has {size} bytes, {recorded.get('size')} when it was saved")
-            elif "sha256" in recorded and sha256(path) != recorded["sha256"]:
-                problems.append(f"{name} is not the file that was saved (its sha256 differs)")
-            else:
-                with open(path, "rb") as f:
-                    f.read(1)
         except FileNotFoundError:
             problems.append(f"{name} is missing")
+            continue
         except OSError as e:
             problems.append(f"{name} is unreadable ({e.strerror})")
+            continue
+        if size != recorded.get("size"):
+            problems.append(f"{name} has {size} bytes, {recorded.get('size')} when it was saved")
+        elif "sha256" in recorded or not older:
+            to_hash.append(name)
+    for name, digest in zip(to_hash, sha256_all([os.path.join(checkpoint, name) for name in to_hash])):
+        if isinstance(digest, OSError):
+            problems.append(f"{name} is unreadable ({digest.strerror})")
+        elif digest != files[name].get("sha256"):
+            problems.append(f"{name} is not the file that was saved (its sha256 differs)")
+    unhashed = sorted(name for name in files if name not in to_hash and not any(p.startswith(name) for p in problems))
+    if older and unhashed:
+        print(f"warning: {checkpoint} was written by an older textclf, which recorded no sha256 for "
+              f"{', '.join(unhashed)} or for its {POSITION}: those are checked by their size alone", file=sys.stderr)
+    return problems
+
+
+def verify_checkpoint(checkpoint: str, position: dict) -> None:
+    """Every file the checkpoint recorded is the one saved, before anything of it is loaded (export, predict,
+    report, the best model's reload): one line per file that is not."""
+    problems = recorded_file_problems(checkpoint, position)
+    if problems:
+        raise InputError("\n".join(f"cannot load checkpoint {checkpoint}: {problem}; use another checkpoint"
+                                   for problem in problems))
+
+
+def verify_files(checkpoint: str, position: dict) -> None:
+    """Every file exact resume needs is there and readable, and every file the checkpoint recorded when
+    it was completed is the one saved (recorded_file_problems): one line per file that is not."""
+    problems = recorded_file_problems(checkpoint, position)
+    files = listed_files(position)
+    if files is None:
+        raise InputError(f"cannot resume from {checkpoint}: {problems[0]}")
+    problems += [f"{name} is not among the files it recorded" for name, pattern in
+                 required_states(position["world_size"], position["zero_stage"])
+                 if not any(re.fullmatch(pattern, recorded) for recorded in files)]
     for rank in range(position["world_size"]):  # what Accelerate would skip without a word
         name = f"random_states_{rank}.pkl"
         if name in files and not any(problem.startswith(name) for problem in problems):
@@ -350,26 +423,34 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
 
 def take_lock(output_dir: str):
     """Lock output_dir for this process and write who holds it into the lock file."""
-    try:
-        lock_file = open(os.path.join(output_dir, LOCK), "a+", encoding="utf-8")
-    except OSError as e:
-        raise write_failed("lock", output_dir, e, "make it writable, or choose another --output_dir") from None
+    path = os.path.join(output_dir, LOCK)
     # A few tries: another run's refuse_if_in_use holds a shared lock for a moment.
     for attempt in range(20):
         try:
+            lock_file = open(path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise write_failed("lock", output_dir, e, "make it writable, or choose another --output_dir") from None
+        try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
         except BlockingIOError:
+            lock_file.seek(0)
+            holder = lock_file.read()
+            lock_file.close()
             if attempt == 19:
-                lock_file.seek(0)
-                holder = lock_file.read()
-                lock_file.close()
                 raise in_use(output_dir, holder) from None
             time.sleep(0.1)
+            continue
         except OSError as e:
             print(f"warning: cannot lock {output_dir} ({e.strerror}): its file system has no file locks, so "
                   "nothing stops a second run from writing into it", file=sys.stderr)
             break
+        # Another run's --overwrite_output_dir may have moved the folder aside, lock file and all, while this
+        # one waited: the lock it got is then no longer the folder's, whose .lock that run now holds.
+        if is_current(lock_file, path):
+            break
+        lock_file.close()
+    else:
+        raise in_use(output_dir, "")
     lock_file.seek(0)
     lock_file.truncate()
     lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
@@ -377,6 +458,16 @@ def take_lock(output_dir: str):
     lock_file.flush()
     _held_locks.append(lock_file)
     return lock_file
+
+
+def is_current(lock_file, path: str) -> bool:
+    """Whether the open lock_file is the file at path (same device and inode)."""
+    held = os.fstat(lock_file.fileno())
+    try:
+        current = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
 
 
 def remove_leftovers(output_dir: str) -> list[str]:
@@ -415,9 +506,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
     previous = complete_checkpoints(output_dir)
-    advice = (f"free space (or choose another --output_dir), then continue with --resume latest (the newest complete "
-              f"checkpoint, {previous[-1][1]}, is untouched)" if previous else
-              "free space (or choose another --output_dir) and start again: no checkpoint was completed yet")
+    then = (f"continue with --resume latest (the newest complete checkpoint, {previous[-1][1]}, is untouched)"
+            if previous else "start again: no checkpoint was completed yet")
+    advice = f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
@@ -426,12 +517,15 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     except WRITE_ERRORS as e:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
+        if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
+            raise InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its own "
+                             f"message or the launcher's report says why); {then}") from None
         raise write_failed("save checkpoint", final, e, advice) from None
     accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:
         try:
             save_extra(tmp)
-            write_json(os.path.join(tmp, POSITION), {**position, "files": manifest(tmp)}, advice)
+            complete(tmp, position, advice)
             if os.path.exists(final):  # a re-run of a step: the new one replaces the old in one rename
                 delete_folder(final)
             os.replace(tmp, final)

@@ -240,8 +240,22 @@ class TrainConfig:
 
     # --- logging ---
     logging_steps: int = field(default=20, metadata={"help": "Log loss and lr every this many optimizer steps."})
-    report_to: Literal["none", "tensorboard", "wandb", "all"] = field(
-        default="tensorboard", metadata={"help": "Experiment trackers to log to."}
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={"help": "Experiment trackers to log to, as the Trainer takes them: one or more names of "
+                  "trackers accelerate supports (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, "
+                  "swanlab, trackio; installed), 'all' (every one installed) or 'none'. TensorBoard writes to "
+                  "<output_dir>/tensorboard."},
+    )
+    project_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "The trackers' project (W&B project, MLflow experiment, ...). Unset: each tracker's own "
+                  "convention (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME, COMET_PROJECT_NAME, ...)."},
+    )
+    run_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "The run's name in the trackers (as the Trainer's run_name); TensorBoard writes to "
+                  "<output_dir>/tensorboard/<run_name>."},
     )
 
     def __post_init__(self):
@@ -252,6 +266,8 @@ class TrainConfig:
             value = getattr(self, name)
             if (value is not None or name in positive) and value <= 0:
                 raise InputError(f"{name} must be a positive integer, got {value}")
+        if not 0 <= self.seed < 2 ** 32:  # what numpy's seed takes (accelerate's set_seed seeds numpy too)
+            raise InputError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
         if self.learning_rate is None:
             self.learning_rate = default_learning_rate(self.model, self.lora)
         if self.learning_rate <= 0 or self.num_train_epochs <= 0:
@@ -282,6 +298,11 @@ class TrainConfig:
         if self.early_stopping_patience is not None and not self.load_best_model_at_end:
             raise InputError("early_stopping_patience needs --load_best_model_at_end (as the Trainer's "
                              "EarlyStoppingCallback): the run ends with the best model, not the last one")
+        if isinstance(self.report_to, str):  # a checkpoint's config from before report_to took a list
+            self.report_to = [self.report_to]
+        if len(self.report_to) > 1 and {"none", "all"} & set(self.report_to):
+            raise InputError(f"report_to {' '.join(self.report_to)}: 'none' and 'all' stand alone; pass one of "
+                             "them, or a list of tracker names")
         self._check_task()
 
     def _check_task(self):
@@ -290,6 +311,10 @@ class TrainConfig:
 
         if self.text_pair_column == self.text_column:
             raise InputError(f"text_pair_column is the text column '{self.text_column}'; name a second column")
+        for role in ("text", "text_pair"):
+            if getattr(self, f"{role}_column") == self.label_column:
+                raise InputError(f"column '{self.label_column}' is both the {role} and the label column; name the "
+                                 f"texts with --{role}_column and the labels with --label_column")
         if not self.label_separator:
             raise InputError("label_separator must not be empty")
         if not 0 < self.threshold < 1:
@@ -323,7 +348,7 @@ RESUME_MAY_CHANGE = (
     "resume", "output_dir", "overwrite_output_dir", "max_steps", "num_train_epochs",
     "logging_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "save_strategy", "save_steps",
     "save_total_limit", "load_best_model_at_end", "early_stopping_patience",
-    "report_to", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
+    "report_to", "project_name", "run_name", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
 )
 
 # --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.
@@ -416,6 +441,11 @@ def _recipe_args(path: str) -> list[str]:
             recipe = yaml.safe_load(f) or {}
     except OSError as e:
         raise InputError(f"cannot read config recipe {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:  # a syntax error, or a tag such as !!python/object, which safe_load refuses
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise InputError(f"cannot read config recipe {path}: {getattr(e, 'problem', None) or e}{where}; "
+                         "a recipe is plain YAML of key: value") from None
     if not isinstance(recipe, dict):
         raise InputError(f"config recipe {path} must be a mapping of key: value")
     unknown = sorted(set(recipe) - set(field_names()))
@@ -442,10 +472,10 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     known, _ = pre.parse_known_args(args)
     if not known.resume:
         return None
-    from .checkpoint import find_resume_checkpoint, read_position  # here: --help stays fast
+    from .checkpoint import find_resume_checkpoint, read_verified_position  # here: --help stays fast
 
     path = find_resume_checkpoint(known.resume, known.output_dir, True)
-    config = read_position(path).get("config")
+    config = read_verified_position(path).get("config")
     if config is None:  # written before checkpoints held their config: every flag must be given again
         return None
     unknown = sorted(set(config) - set(field_names()))

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -119,7 +120,8 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
     """`datasets.load_dataset` on one file, quietly: a failure is reported by the caller, in one line."""
     options = {}
     if builder == "csv":
-        options = {"sep": delimiter, "encoding": encoding or "utf-8"}
+        # Only an empty cell is missing: pandas' defaults would read a class named NA, None or null as missing.
+        options = {"sep": delimiter, "encoding": encoding or "utf-8", "keep_default_na": False}
     elif builder == "json" and encoding and encoding.lower() not in UTF8:
         path = utf8_copy(path, encoding)  # the json builder decodes a JSON array as UTF-8 whatever it is told
     verbosity = datasets.logging.get_verbosity()
@@ -263,19 +265,30 @@ def require_column(table: Dataset, path: str, role: str, column: str) -> None:
         raise InputError(f"{path} has no {role} column '{column}'; its columns are: {', '.join(names)} ({hint})")
 
 
+def require_text_column(table: Dataset, path: str, role: str, column: str) -> None:
+    """The column exists and holds text: a column the file's reader typed as numbers is another column."""
+    require_column(table, path, role, column)
+    feature = table.features[column]
+    if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string", "null"):
+        kind = feature.dtype if isinstance(feature, datasets.Value) else "mixed or structured"
+        raise InputError(f"{path}: the {role} column '{column}' holds {kind} values, not text; choose the column "
+                         f"of texts with --{role}_column (its columns are: {', '.join(table.column_names)})")
+
+
 def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     """Keep the task's text, pair (for pairs) and label columns as `text`, `text_pair` and `label` (as they
-    are: the task reads labels), with rows whose text is empty dropped."""
+    are: the task reads labels), with rows whose text is empty dropped; `row` numbers the rows kept in the
+    file (from 1), for the errors about labels."""
     texts = task.text_columns
     for role, column in texts.items():
-        require_column(table, path, role, column)
+        require_text_column(table, path, role, column)
     require_column(table, path, "label", task.label_column)
     columns = [*texts.values(), task.label_column]
     table = table.select_columns(columns)
     table = table.map(
-        lambda row: {**{name: clean_text(row[column]) for name, column in texts.items()},
-                     "label": row[task.label_column]},
-        remove_columns=[c for c in columns if c not in (*texts, "label")],
+        lambda row, index: {**{name: clean_text(row[column]) for name, column in texts.items()},
+                            "label": row[task.label_column], "row": index + 1},
+        with_indices=True, remove_columns=[c for c in columns if c not in (*texts, "label")],
     )
     kept = table.filter(lambda row: all(len(row[name]) > 0 for name in texts))
     if len(kept) < len(table):
@@ -290,7 +303,7 @@ def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding
     answers row i."""
     table = load_table(path, delimiter, encoding)
     for role, column in task.text_columns.items():
-        require_column(table, path, role, column)
+        require_text_column(table, path, role, column)
     texts = {role: [clean_text(text) for text in table[column]] for role, column in task.text_columns.items()}
     return texts["text"], texts.get("text_pair")
 
@@ -314,10 +327,10 @@ def read_labelled(path: str, task: Task, delimiter: Optional[str] = None, encodi
 def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] = None):
     """(`table` with its labels encoded as the `labels` column, the label names). Names come from the
     table itself unless given (a held-out or report file must use the training data's)."""
-    labels = task.parse_labels(table["label"][:], path)
+    labels = task.parse_labels(table["label"][:], path, table["row"][:])
     names = names or task.label_names(labels, path)
     encoded, feature = task.encode_labels(labels, names, path)
-    return table.remove_columns(["label"]).add_column("labels", encoded, feature=feature), names
+    return table.remove_columns(["label", "row"]).add_column("labels", encoded, feature=feature), names
 
 
 def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, delimiter: Optional[str] = None,
@@ -338,13 +351,22 @@ def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int
     if strata is None:
         split = train.train_test_split(test_size=eval_split, seed=seed)
         return split["train"], split["test"]
+    if task.kind == "single_label":  # each class needs an example on each side
+        counts = Counter(strata)
+        names = train.features["labels"].names
+        scarce = [f"'{names[label]}' ({counts[label]} example)" for label in sorted(counts) if counts[label] < 2]
+        if scarce:
+            raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: class(es) {', '.join(scarce)} need at "
+                             "least 2 examples, one on each side; add examples, or give a held-out file with "
+                             "--eval_data")
     stratum_id = {stratum: i for i, stratum in enumerate(sorted(set(strata)))}
     with_strata = train.add_column("stratum", [stratum_id[stratum] for stratum in strata],
                                    feature=ClassLabel(num_classes=len(stratum_id)))
     try:
         split = with_strata.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="stratum")
     except ValueError as e:
-        raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: {e}") from None
+        raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: {e}; give a held-out file with "
+                         "--eval_data") from None
     return split["train"].remove_columns(["stratum"]), split["test"].remove_columns(["stratum"])
 
 

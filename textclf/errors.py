@@ -10,6 +10,7 @@ cause instead of pointing to a traceback a user's error does not have.
 import ctypes
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -27,6 +28,8 @@ class InputError(Exception):
 # What a failed write raises: OSError from Python, RuntimeError from torch.save ("unexpected pos ...", the
 # errno is lost), SafetensorError from safetensors.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# What a rank says when a collective failed because another rank ended (killed, or stopped by its own error).
+PEER_ENDED = "another process of this run ended"
 # How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it once rank 0
 # has reported the same error; a rank that is still running then reports its own.
 QUIET_RANK_WAIT_S = 10
@@ -34,15 +37,52 @@ QUIET_RANK_WAIT_S = 10
 
 def run_command(main):
     """Run a command's `main` and return what it returns, turning an InputError into its `error:` line(s)
-    and exit code 2."""
+    and exit code 2, and a collective that failed because another process ended into one line (exit code 1):
+    that process says why, or said it already."""
     try:
         return main()
     except InputError as e:
         report(e)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            sys.stdout.flush()  # no interpreter teardown with gloo threads alive (runtime.exit_finished_run)
-            os._exit(2)
-        sys.exit(2)
+        exit_now(2)
+    except Exception as e:
+        if not peer_ended(e):
+            raise
+        report(InputError(f"{PEER_ENDED} ({gist(e)}); its own message or the launcher's report says why"))
+        exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()  # no interpreter teardown with gloo threads alive (runtime.exit_finished_run)
+        os._exit(code)
+    sys.exit(code)
+
+
+def peer_ended(error: BaseException) -> bool:
+    """Whether `error` is a collective (torch.distributed's, which DeepSpeed's go through) that failed because
+    another process of the run is gone: gloo raises a RuntimeError from inside the collective, NCCL one of
+    torch's DistError. A failed write is an OSError, or a RuntimeError raised by torch.save, not in c10d."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or isinstance(error, OSError):
+        return False
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and isinstance(error, getattr(distributed, "DistError", ())):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    in_collective = any(name.endswith(os.path.join("distributed", "distributed_c10d.py")) for name in frames)
+    # DDP's gradient all-reduce runs in the autograd engine, with no Python frame of c10d: gloo's words then.
+    return in_collective or bool(re.search(r"Connection (closed|reset) by peer|gloo/transport", str(error)))
+
+
+def gist(error: BaseException) -> str:
+    """The first sentence of a library's error, without the source location gloo puts in front of it."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0].rstrip(".")
 
 
 def report(error: InputError) -> None:

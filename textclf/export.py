@@ -25,7 +25,7 @@ from transformers.utils import logging as transformers_logging
 
 from .checkpoint import write_json
 from .errors import WRITE_ERRORS, InputError, run_command, write_failed
-from .loading import TRAINING, load_trained, load_weights, read_training, weight_files
+from .loading import TRAINING, add_loading_options, load_trained, load_weights, read_training, weight_files
 from .modeling import apply_lora
 from .predict import predict_logits
 
@@ -44,7 +44,7 @@ PROBE_TEXTS = [
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge: bool = False,
-                 training: Optional[dict] = None) -> str:
+                 training: Optional[dict] = None, trust_remote_code: bool = False) -> str:
     """Export the model being trained, with `training` (the run's config and data fingerprint) in TRAINING.
     Collective: every rank calls it (ZeRO-3 gathers the shards).
 
@@ -56,27 +56,29 @@ def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge:
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         with transformers_without_zero3(accelerator):
-            copy = copy_with_weights(accelerator.unwrap_model(model), state_dict)
-            save_verified(copy, tokenizer, target, merge=merge, overwrite=True, training=training)
+            copy = copy_with_weights(accelerator.unwrap_model(model), state_dict, trust_remote_code)
+            save_verified(copy, tokenizer, target, merge=merge, overwrite=True, training=training,
+                          trust_remote_code=trust_remote_code)
     accelerator.wait_for_everyone()
     return target
 
 
 def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrite: bool = False,
-                      allow_pickle: bool = False) -> str:
+                      allow_pickle: bool = False, trust_remote_code: bool = False) -> str:
     """Export a step_<N> checkpoint (or re-export a model folder, e.g. to merge its LoRA adapter), with the
     config of the run that made it."""
     refuse_existing(target, overwrite)  # before the slow part
-    model, tokenizer = load_trained(source, allow_pickle)
-    return save_verified(model, tokenizer, target, merge=merge, overwrite=overwrite, training=read_training(source))
+    model, tokenizer = load_trained(source, allow_pickle, trust_remote_code)
+    return save_verified(model, tokenizer, target, merge=merge, overwrite=overwrite, training=read_training(source),
+                         trust_remote_code=trust_remote_code)
 
 
-def copy_with_weights(model, state_dict: dict):
+def copy_with_weights(model, state_dict: dict, trust_remote_code: bool = False):
     """A fresh CPU model of `model`'s architecture, LoRA adapters included, holding `state_dict`."""
     from peft import PeftModel
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    copy = AutoModelForSequenceClassification.from_config(base.config)
+    copy = AutoModelForSequenceClassification.from_config(base.config, trust_remote_code=trust_remote_code)
     if isinstance(model, PeftModel):
         lora = model.peft_config[model.active_adapter]
         copy = apply_lora(copy, lora.r, lora.lora_alpha, lora.lora_dropout, lora.target_modules)
@@ -102,7 +104,7 @@ def transformers_without_zero3(accelerator: Accelerator):
 
 
 def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwrite: bool = False,
-                  training: Optional[dict] = None) -> str:
+                  training: Optional[dict] = None, trust_remote_code: bool = False) -> str:
     """Write `model` (plain or LoRA, full weights, on CPU), its tokenizer and `training` (TRAINING: the task
     and columns predict and report default to) to `target`, verified.
 
@@ -137,7 +139,7 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
                                "again: train.py --resume latest, or python -m textclf.export <step_N> <target>; "
                                "checkpoints are untouched") from None
         verify_weights(tmp)
-        reloaded, reloaded_tokenizer = load_trained(tmp)
+        reloaded, reloaded_tokenizer = load_trained(tmp, trust_remote_code=trust_remote_code)
         actual = predict_logits(reloaded, reloaded_tokenizer, PROBE_TEXTS)
         # Merging changes rounding only: 1e-5 is far below any real difference in weights.
         if not torch.allclose(actual, expected, rtol=1e-4, atol=1e-5):
@@ -202,12 +204,11 @@ def main(argv=None) -> None:
     parser.add_argument("target", help="the folder to write (refused if it exists, unless --overwrite)")
     parser.add_argument("--merge", action="store_true", help="merge LoRA adapters into a plain model")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing target")
-    parser.add_argument("--allow_pickle", action="store_true",
-                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
     transformers_logging.disable_progress_bar()  # one line per export is enough
     export_checkpoint(args.source, args.target, merge=args.merge, overwrite=args.overwrite,
-                      allow_pickle=args.allow_pickle)
+                      allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
     print(f"exported {args.source} to {args.target} (verified: weights complete, reloads, same predictions)")
 
 

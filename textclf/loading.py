@@ -10,6 +10,7 @@ peft's loaders, which load the base from that name; transformers does not follow
 its own config.json.)
 """
 
+import argparse
 import glob
 import json
 import os
@@ -17,13 +18,15 @@ import pickle
 import tempfile
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position
+from .checkpoint import (FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position,
+                         verify_checkpoint)
 from .errors import InputError
-from .modeling import apply_lora
+from .modeling import apply_lora, needs_remote_code, pickled_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -32,18 +35,29 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINING = "training.json"
 
 
-def load_trained(path: str, allow_pickle: bool = False):
+def add_loading_options(parser: argparse.ArgumentParser) -> None:
+    """What export, predict and report may load beyond plain safetensors and transformers' own classes."""
+    parser.add_argument("--allow_pickle", action="store_true",
+                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="run the Python code a model folder ships for its config, model or tokenizer (its "
+                        "auto_map); without it such a folder is refused, never prompted (trusted folders only)")
+
+
+def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False):
     """(model, tokenizer) from an exported model folder or a step_<N> checkpoint; the model in eval mode.
 
     `allow_pickle` lets a DeepSpeed or FSDP-sharded checkpoint load: DeepSpeed's files and the
     metadata of FSDP's distributed checkpoint are full pickles, which can run code stored in them.
+    `trust_remote_code` lets the folder's own Python code (its config's auto_map) run; it is passed to
+    transformers as False otherwise, never None, which would ask on the terminal and run the code on "y".
     """
     if not os.path.isdir(path):
         raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
     if os.path.isfile(os.path.join(path, POSITION)) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-        model, tokenizer = _load_checkpoint(path, allow_pickle)
+        model, tokenizer = _load_checkpoint(path, allow_pickle, trust_remote_code)
     elif glob.glob(os.path.join(path, "*.json")) or weight_files(path):
-        model, tokenizer = _load_folder(path)
+        model, tokenizer = _load_folder(path, trust_remote_code)
     else:
         raise InputError(f"{path} is neither a model folder (config.json and weights, as export writes) nor a "
                          f"step_<N> checkpoint ({POSITION}, as train.py writes)")
@@ -84,7 +98,7 @@ def require_model_files(folder: str) -> None:
         raise InputError(f"{folder} is not a complete model folder: it has no weights (model.safetensors)")
 
 
-def _load_folder(folder: str):
+def _load_folder(folder: str, trust_remote_code: bool):
     from peft import PeftModel
 
     lora = os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
@@ -95,19 +109,23 @@ def _load_folder(folder: str):
         if lora:
             # The base alone, from its own files: from_pretrained(folder) would add the adapter beside it,
             # and peft's PeftModel (which export merges) must add it instead.
-            config = AutoConfig.from_pretrained(folder)
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
             state_dict = {name: tensor for path in base_weight_files(folder)
                           for name, tensor in load_file(path).items()}
             model, info = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)].from_pretrained(
                 None, config=config, state_dict=state_dict, output_loading_info=True)
         else:
-            model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                folder, output_loading_info=True, trust_remote_code=trust_remote_code)
+    except SafetensorError as e:
+        raise InputError(f"cannot load a model from {folder}: a weights file is damaged or incomplete "
+                         f"({str(e).splitlines()[0]}); export it again") from None
     except (OSError, ValueError, KeyError) as e:
+        if "trust_remote_code" in str(e):
+            raise needs_remote_code(folder) from None
         raise InputError(f"cannot load a model from {folder}: {str(e).splitlines()[0]}") from None
     except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
-        raise InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than "
-                         "tensors, which could run code when loaded; save the model as safetensors where it came from "
-                         "(save_pretrained does by default)") from None
+        raise pickled_weights(folder) from None
     # from_pretrained fills missing weights with random ones and only warns: refuse instead.
     incomplete = info["missing_keys"] or info["mismatched_keys"]
     if incomplete:
@@ -115,20 +133,35 @@ def _load_folder(folder: str):
                          f"{', '.join(sorted(map(str, incomplete))[:3])}")
     if lora:
         model = PeftModel.from_pretrained(model, folder)
-    return model, _load_tokenizer(folder)
+    return model, _load_tokenizer(folder, trust_remote_code)
 
 
-def _load_checkpoint(checkpoint: str, allow_pickle: bool):
-    run = read_position(checkpoint).get("config") or {}
+def _load_checkpoint(checkpoint: str, allow_pickle: bool, trust_remote_code: bool):
+    position = read_verified_position(checkpoint)
+    verify_checkpoint(checkpoint, position)  # every file read in full before any is loaded
+    run = position.get("config") or {}
     try:
-        config = AutoConfig.from_pretrained(checkpoint)
-    except (OSError, ValueError):
+        config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise needs_remote_code(checkpoint) from None
         raise InputError(f"{checkpoint} is not a complete checkpoint: it has no readable config.json") from None
-    model = AutoModelForSequenceClassification.from_config(config)
+    try:
+        model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise needs_remote_code(checkpoint) from None
+        raise InputError(f"cannot build the model of {checkpoint}: {str(e).splitlines()[0]}") from None
     if run.get("lora"):  # the run's own settings rebuild the same adapters
         model = apply_lora(model, run["lora_r"], run["lora_alpha"], run["lora_dropout"], run["lora_target_modules"])
-    load_weights(model, checkpoint_weights(checkpoint, allow_pickle), checkpoint)
-    return model, _load_tokenizer(os.path.join(checkpoint, "tokenizer"))
+    try:
+        weights = checkpoint_weights(checkpoint, allow_pickle)
+    # What safetensors, torch.load and DeepSpeed's consolidation raise on a truncated or damaged file.
+    except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise InputError(f"cannot read the weights of {checkpoint}: {(str(e).splitlines() or [type(e).__name__])[0]} "
+                         "(a damaged or incomplete file; use another step_<N>)") from None
+    load_weights(model, weights, checkpoint)
+    return model, _load_tokenizer(os.path.join(checkpoint, "tokenizer"), trust_remote_code)
 
 
 def checkpoint_weights(checkpoint: str, allow_pickle: bool) -> dict:
@@ -179,8 +212,10 @@ def load_weights(model, state_dict: dict, source: str) -> None:
                          f"{result.unexpected_keys[:3]}")
 
 
-def _load_tokenizer(folder: str):
+def _load_tokenizer(folder: str, trust_remote_code: bool):
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
+        if "trust_remote_code" in str(e):
+            raise needs_remote_code(folder) from None
         raise InputError(f"cannot load the tokenizer saved in {folder}: {str(e).splitlines()[0]}") from None

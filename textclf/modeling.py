@@ -2,6 +2,7 @@
 texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
 import os
+import pickle
 import shutil
 from typing import Optional
 
@@ -55,8 +56,7 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
-            raise InputError(f"'{model}' needs custom code to load (its config's auto_map names Python files it "
-                             "ships); pass --trust_remote_code if you trust that code") from None
+            raise needs_remote_code(model) from None
         raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
     except OSError as e:
         raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
@@ -73,6 +73,19 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
     return config
 
 
+def needs_remote_code(model: str) -> InputError:
+    """What transformers' refusal of a model's own code (trust_remote_code=False) says to the user."""
+    return InputError(f"'{model}' needs custom code to load (its config's auto_map names Python files it ships); "
+                      "pass --trust_remote_code if you trust that code")
+
+
+def pickled_weights(folder: str) -> InputError:
+    """What torch.load's weights_only refusal (a pickle that holds more than tensors) says to the user."""
+    return InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than tensors, "
+                      "which could run code when loaded; save the model as safetensors where it came from "
+                      "(save_pretrained does by default)")
+
+
 def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_length: int,
                   trust_remote_code: bool = False):
     """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from the training texts
@@ -85,6 +98,8 @@ def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_
             # padding_side as a loading argument, not set afterwards: only then does save_pretrained keep it.
             tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, padding_side="right")
         except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):
+                raise needs_remote_code(model) from None
             raise InputError(f"cannot load a tokenizer from '{model}': {str(e).splitlines()[0]}") from None
         return with_pad_token(tokenizer, model)
     folder = scratch_tokenizer_folder(cache_dir, data_fingerprint)
@@ -169,6 +184,8 @@ def build_model(model: str, tokenizer, label_names: list[str], max_length: int, 
                 model, config=config, dtype=dtype, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
+        except pickle.UnpicklingError:
+            raise pickled_weights(model) from None
     # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
     built._no_split_modules = layer_classes(built)
     if gradient_checkpointing:

@@ -28,7 +28,7 @@ from transformers.utils import logging as transformers_logging
 from .config import TrainConfig
 from .errors import InputError, die_with_launcher, run_command
 from .data import length_sorted_loader, read_inputs, tokenize
-from .loading import load_trained, read_training
+from .loading import add_loading_options, load_trained, read_training
 from .task import KINDS, Task
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
@@ -122,8 +122,7 @@ def main(argv=None) -> None:
                         "on the terminal: what the model predicts (label name and probability, names, or score), "
                         "then the text")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
-    parser.add_argument("--allow_pickle", action="store_true",
-                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
     if args.output and not args.output.endswith(OUTPUT_FORMATS):
         raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
@@ -139,7 +138,7 @@ def main(argv=None) -> None:
                              + (f": {args.model} was trained on pairs" if task.text_pair_column else ""))
     else:
         texts, pairs = read_inputs(args.file, task, args.delimiter, args.encoding)
-    model, tokenizer = load_trained(args.model, args.allow_pickle)
+    model, tokenizer = load_trained(args.model, args.allow_pickle, args.trust_remote_code)
     logits = predict_logits(model, tokenizer, texts, pairs, batch_size=args.batch_size, accelerator=accelerator,
                             progress=True)
     if accelerator.is_main_process:

@@ -27,7 +27,7 @@ from .checkpoint import write_json
 from .config import TrainConfig
 from .data import DEFAULT_DATA, fingerprint, load_splits, read_labelled
 from .errors import InputError, die_with_launcher, run_command
-from .loading import load_trained, read_training
+from .loading import add_loading_options, load_trained, read_training
 from .metrics import compute_scores
 from .predict import add_task_options, inference_accelerator, label_names, predict_logits, run_config
 from .task import Task
@@ -167,8 +167,7 @@ def main(argv=None) -> None:
                                              "split as the run split it)")
     parser.add_argument("--no_baseline", action="store_true", help="leave the TF-IDF + linear baseline out")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
-    parser.add_argument("--allow_pickle", action="store_true",
-                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
     transformers_logging.disable_progress_bar()
 
@@ -176,7 +175,7 @@ def main(argv=None) -> None:
     cfg = run_config(args.model, {**{key: getattr(args, key) for key in options}, "data": args.train_data})
     task = Task.from_config(cfg)
     accelerator = inference_accelerator()
-    model, tokenizer = load_trained(args.model, args.allow_pickle)
+    model, tokenizer = load_trained(args.model, args.allow_pickle, args.trust_remote_code)
     names = label_names(model)
     table, _ = read_labelled(args.file, task, args.delimiter, args.encoding, names)  # an unknown label stops it here
     knows_training_data = bool(args.train_data or read_training(args.model))

@@ -1,5 +1,7 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
+import copy
+import json
 import logging
 import os
 import platform
@@ -11,8 +13,10 @@ from contextlib import contextmanager
 import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DynamoBackend, is_wandb_available
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+from accelerate.utils import DynamoBackend, LoggerType, is_wandb_available
 
+from . import tracking
 from .config import TrainConfig
 from .errors import InputError
 
@@ -38,16 +42,18 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
                          "use bf16 or no on this machine")
     check_trackers(cfg.report_to)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if deepspeed and ds_file != "none":  # before anything is built: DeepSpeed itself reads it only at prepare()
+        check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
     if deepspeed and not has_cuda:
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
-    trackers = {"none": None, "all": "all"}.get(cfg.report_to, [cfg.report_to])
     accelerator = Accelerator(
         cpu=not has_cuda and not deepspeed,
         mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
         step_scheduler_with_optimizer=False,
-        log_with=trackers,
+        log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
         project_dir=cfg.output_dir,
         # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
         # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
@@ -68,6 +74,43 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     return accelerator
 
 
+def read_deepspeed_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"DeepSpeed config {path} is not a JSON object")
+    return config
+
+
+def check_deepspeed_config(config: dict, place: str) -> None:
+    """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
+    not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
+
+    DeepSpeed's own parsing of every section does the checking, with the "auto" values that accelerate fills
+    in at prepare() left out as DeepSpeed leaves them out.
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    # DeepSpeedConfig's __init__ parses the sections (_initialize_params), then does batch-size arithmetic that
+    # needs the process group and the values accelerate has not filled in yet: only the first part runs here.
+    parsed = object.__new__(DeepSpeedConfig)
+    try:
+        parsed._initialize_params(copy.deepcopy(config))
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(map(str, first["loc"]))
+        got = f" (got {json.dumps(first['input'], default=str)})" if first["type"] != "extra_forbidden" else ""
+        raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
+    except (ValueError, TypeError, AssertionError, KeyError) as e:
+        raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+
+
 def resolve_precision(asked):
     """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
 
@@ -82,27 +125,37 @@ def resolve_precision(asked):
     return asked or launched or "no"
 
 
-def check_trackers(report_to: str) -> None:
-    """Stop now, before anything is written, if a tracker asked for cannot start.
+def check_trackers(report_to: list[str]) -> None:
+    """Stop now, before anything is written, if a tracker asked for is unknown or cannot start.
 
     Accelerate drops a tracker whose package is missing without a word (a debug log), and wandb
     without a login fails only in `init_trackers`, after run.json is written.
     """
-    if report_to == "tensorboard":
+    asked = " ".join(report_to)
+    for name in report_to:
+        if name in ("none", "all"):
+            continue
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise InputError(f"--report_to {asked}: unknown tracker '{name}'; accelerate knows "
+                             f"{', '.join(LOGGER_TYPE_TO_CLASS)} (or pass all or none)")
+        if name in map(str, LoggerType) and name not in map(str, get_available_trackers()):
+            raise InputError(f"--report_to {asked}, but {name} is not installed; pip install {name}, or leave it "
+                             "out of --report_to")
+    if "tensorboard" in report_to:
         try:
             import torch.utils.tensorboard  # noqa: F401  (what accelerate's TensorBoardTracker imports)
         except ImportError as e:
-            raise InputError(f"--report_to tensorboard, but tensorboard cannot be imported ({e}); "
+            raise InputError(f"--report_to {asked}, but tensorboard cannot be imported ({e}); "
                              "pip install tensorboard, or pass --report_to none") from None
-    if report_to == "wandb" or (report_to == "all" and is_wandb_available()):
+    if "wandb" in report_to or ("all" in report_to and is_wandb_available()):
         try:
             import wandb
         except ImportError as e:
-            raise InputError(f"--report_to {report_to}, but wandb cannot be imported ({e}); "
+            raise InputError(f"--report_to {asked}, but wandb cannot be imported ({e}); "
                              "pip install wandb, or pass --report_to tensorboard or none") from None
         offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
         if not offline and not wandb.login(verify=False, prompt=False):
-            raise InputError(f"--report_to {report_to}, but wandb has no login here (no WANDB_API_KEY, no "
+            raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
                              "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
 
 

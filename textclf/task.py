@@ -63,24 +63,54 @@ class Task:
 
     # --- labels ----------------------------------------------------------------------------------------
 
-    def parse_labels(self, cells: list, path: str) -> list:
-        """The label column's cells as this task reads them: raw labels, lists of label names, or numbers."""
+    def parse_labels(self, cells: list, path: str, rows: Optional[list[int]] = None) -> list:
+        """The label column's cells as this task reads them: classes (names or integers), lists of label names,
+        or numbers. Names are trimmed; only an empty cell is missing. `rows` are the cells' row numbers in the
+        file (default 1, 2, ...), for the errors."""
+        rows = rows or list(range(1, len(cells) + 1))
         parsed = []
-        for row, cell in enumerate(cells, start=1):
+        for row, cell in zip(rows, cells):
+            if isinstance(cell, str):
+                cell = cell.replace("\ufeff", "").strip() or None  # `书籍 ` is `书籍`; only an empty cell is missing
             if self.kind == "single_label":
-                if isinstance(cell, list):
-                    raise InputError(f"{path} row {row}: label {cell} is a list; a label set per example is "
-                                     "--task multi_label")
-                parsed.append(cell)
+                parsed.append(self._class(cell, path, row))
             elif self.kind == "multi_label":
                 parsed.append(self._label_set(cell, path, row))
             else:
                 parsed.append(self._number(cell, path, row))
         if self.kind != "multi_label":  # an empty multi-label cell is an empty set
-            missing = sum(label is None for label in parsed)
+            missing = [row for row, label in zip(rows, parsed) if label is None]
             if missing:
-                raise InputError(f"{path}: {missing} row(s) have no value in label column '{self.label_column}'")
+                raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
+                                 "fill them in or remove those rows")
+        if self.kind == "single_label":
+            first = {}  # the first row of each kind of class
+            for row, label in zip(rows, parsed):
+                first.setdefault(type(label), (row, label))
+            if len(first) > 1:
+                (int_row, number), (str_row, name) = first[int], first[str]
+                raise InputError(f"{path}: label column '{self.label_column}' mixes integers (row {int_row}: "
+                                 f"{number}) and names (row {str_row}: {name!r}); write every label as a name, or "
+                                 "every label as an integer")
         return parsed
+
+    def _class(self, cell, path: str, row: int):
+        """A single-label class: a name (str) or an integer; None when missing."""
+        where = f"{path} row {row}: label {cell!r} in column '{self.label_column}'"
+        if cell is None or isinstance(cell, str):
+            return cell
+        if isinstance(cell, bool):  # true/false cells: two names
+            return str(cell)
+        if isinstance(cell, int):
+            return cell
+        if isinstance(cell, float):
+            if cell.is_integer():  # 1.0 is class 1 (a JSON writer's integers)
+                return int(cell)
+            raise InputError(f"{where} is not a class (classes are names or integers); for a number per example "
+                             "use --task regression")
+        if isinstance(cell, list):
+            raise InputError(f"{where} is a list; a label set per example is --task multi_label")
+        raise InputError(f"{where} is a {type(cell).__name__}, not a class; a class is a name or an integer")
 
     def _label_set(self, cell, path: str, row: int) -> list[str]:
         """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label."""
@@ -107,7 +137,7 @@ class Task:
         return sorted({str(name).strip() for name in names} - {""})
 
     def _number(self, cell, path: str, row: int) -> Optional[float]:
-        if cell is None:
+        if cell is None:  # an empty cell (a blank string was made None by parse_labels)
             return None
         try:
             value = float(cell)
@@ -237,6 +267,12 @@ class Task:
         if self.kind == "multi_label":
             return f"{self.label_separator.join(row['label_names'])}\t{texts}"
         return f"{row[SCORE]:.4f}\t{texts}"
+
+
+def count_rows(rows: list[int], shown: int = 5) -> str:
+    """'rows 3, 8 and 2 more have': the first few row numbers of a list, and how many there are."""
+    listed = ", ".join(map(str, rows[:shown])) + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
+    return f"row {listed} has" if len(rows) == 1 else f"{len(rows)} rows ({listed}) have"
 
 
 def format_score(value: Optional[float]) -> str:

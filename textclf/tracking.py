@@ -8,11 +8,36 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.tracking import TensorBoardTracker, get_available_trackers
 from accelerate.utils import gather_object
 
 from .errors import InputError, write_failed
 
 LOG = "log.jsonl"
+# Where each tracker takes a run's name (--run_name), among the keyword arguments accelerate passes it.
+RUN_NAME_KEYS = {"wandb": "name", "mlflow": "run_name", "trackio": "name", "swanlab": "experiment_name",
+                 "clearml": "task_name"}
+
+
+def trackers(report_to: list[str], output_dir: str, run_name: Optional[str] = None) -> list:
+    """`log_with` for the Accelerator: the trackers named (every one installed for 'all', none for 'none').
+
+    Accelerate gives every tracker the same project name; TensorBoard would make it a folder, so it gets
+    its own, <output_dir>/tensorboard[/<run_name>], and the others their own convention (WANDB_PROJECT, ...).
+    """
+    names = [str(name) for name in get_available_trackers()] if report_to == ["all"] else report_to
+    folder = os.path.join("tensorboard", run_name) if run_name else "tensorboard"
+    chosen = [TensorBoardTracker(folder, output_dir) if name == "tensorboard" else name
+              for name in names if name != "none"]
+    return chosen or None  # accelerate warns about an empty list
+
+
+def start_trackers(accelerator: Accelerator, config: dict) -> None:
+    """Start the trackers with the run's config: the project is --project_name or, unset, each tracker's own
+    convention; the run's name is --run_name."""
+    run_name = config.get("run_name")
+    init_kwargs = {name: {key: run_name} for name, key in RUN_NAME_KEYS.items()} if run_name else {}
+    accelerator.init_trackers(config.get("project_name"), config=flat_config(config), init_kwargs=init_kwargs)
 
 
 def flat_config(config: dict) -> dict:

@@ -1,0 +1,172 @@
+"""What users type and what their tools see: labels as people write them, trackers, the command line's
+answers. In-process where the behaviour allows it (the functions are called, their InputError caught)."""
+
+import pytest
+
+from textclf.data import load_splits
+from textclf.errors import InputError
+from textclf.task import Task
+
+SINGLE = Task("single_label", text_column="review", label_column="label")
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def splits(tmp_path, name, text, task=SINGLE, eval_text=None):
+    eval_data = write(tmp_path / f"eval_{name}", eval_text) if eval_text else None
+    return load_splits(write(tmp_path / name, text), eval_data, task, 0.25, 0)
+
+
+# --- labels as people write them ---------------------------------------------------------------------------
+
+def test_label_cells_are_trimmed_and_na_none_null_are_class_names(tmp_path):
+    rows = "".join(f"{label},评论{i}\n" for i, label in enumerate([" 书籍", "书籍 ", "NA", "None", "null"] * 4))
+    train, held_out, names = splits(tmp_path, "d.csv", "label,review\n" + rows)
+    assert names == ["NA", "None", "null", "书籍"]
+    assert len(train) + len(held_out) == 20
+
+
+def test_empty_label_cells_are_named_by_row_first_few_and_a_count(tmp_path):
+    labels = ["1", "", "0", "", "1", "0", "", " ", "", "", "1", "", "0"]  # empty at rows 2, 4, 7, 8, 9, 10, 12
+    rows = "".join(f"{label},评论{i}\n" for i, label in enumerate(labels))
+    with pytest.raises(InputError, match=r"d.csv: 7 rows \(2, 4, 7, 8, 9 and 2 more\) have no value in label "
+                                         r"column 'label'; fill them in"):
+        splits(tmp_path, "d.csv", "label,review\n" + rows)
+
+
+def test_row_numbers_count_the_rows_dropped_for_empty_text(tmp_path):
+    with pytest.raises(InputError, match=r"d.csv: row 3 has no value in label column"):
+        splits(tmp_path, "d.csv", "label,review\n1,\n0,好\n,差\n1,棒\n")
+
+
+@pytest.mark.parametrize("line, where", [
+    ('{"review": "好", "label": 1.5}', "row 2: label 1.5 in column 'label' is not a class"),
+    ('{"review": "好", "label": NaN}', "row 2: label nan in column 'label' is not a class"),
+])
+def test_float_and_nan_classes_are_refused_with_regression_suggested(tmp_path, line, where):
+    with pytest.raises(InputError, match="use --task regression") as refused:
+        splits(tmp_path, "d.jsonl", '{"review": "差", "label": 0}\n' + line + "\n",
+               eval_text='{"review": "棒", "label": 1}\n')
+    assert where in str(refused.value)
+
+
+def test_integral_floats_are_integer_classes(tmp_path):
+    rows = "".join(f'{{"review": "评论{i}", "label": {i % 2}.0}}\n' for i in range(8))
+    _, _, names = splits(tmp_path, "d.jsonl", rows)
+    assert names == ["0", "1"]
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"review": "好", "label": 1}', '{"review": "差", "label": "bad"}'],
+     "label column 'label' mixes integers (row 1: 1) and names (row 2: 'bad'); write every label as a name"),
+    (['{"review": "好", "label": {"a": 1}}', '{"review": "差", "label": {"a": 2}}'],
+     "row 1: label {'a': 1} in column 'label' is a dict, not a class; a class is a name or an integer"),
+])
+def test_mixed_and_dict_labels_are_one_line(tmp_path, lines, message):
+    with pytest.raises(InputError) as refused:
+        splits(tmp_path, "d.jsonl", "\n".join(lines) + "\n")
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_class_too_small_to_split_is_named_with_eval_data_suggested(tmp_path):
+    rows = "".join(f"{i % 2},评论{i}\n" for i in range(20)) + "书籍,一本书\n"
+    with pytest.raises(InputError, match=r"class\(es\) '书籍' \(1 example\) need at least 2 examples.*--eval_data"):
+        splits(tmp_path, "d.csv", "label,review\n" + rows)
+
+
+def test_an_integer_column_with_empty_cells_reports_them_and_regression_reads_the_rest(tmp_path):
+    rows = "label,review\n" + "".join(f"{i % 3},评论{i}\n" for i in range(12)) + ",空\n"
+    with pytest.raises(InputError, match="row 13 has no value in label column"):
+        splits(tmp_path, "d.csv", rows)
+    with pytest.raises(InputError, match="row 13 has no value in label column"):
+        splits(tmp_path, "r.csv", rows, task=Task("regression", "review", "label"))
+
+
+def test_the_same_column_for_text_and_label_is_refused_by_the_config():
+    from textclf.config import TrainConfig
+
+    with pytest.raises(InputError, match="column 'review' is both the text and the label column"):
+        TrainConfig(text_column="review", label_column="review")
+
+
+# --- trackers, the Trainer's way ---------------------------------------------------------------------------
+
+def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
+    from textclf.config import TrainConfig, parse_config
+
+    assert parse_config([]).report_to == ["tensorboard"]
+    assert parse_config(["--report_to", "wandb", "tensorboard"]).report_to == ["wandb", "tensorboard"]
+    assert TrainConfig(report_to="none").report_to == ["none"]  # a checkpoint's config from before lists
+    with pytest.raises(InputError, match="'none' and 'all' stand alone"):
+        parse_config(["--report_to", "none", "tensorboard"])
+
+
+def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
+    from textclf import runtime
+
+    monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard"])
+    with pytest.raises(InputError, match="--report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "
+                                         ".*mlflow"):
+        runtime.check_trackers(["tensorbord"])
+    with pytest.raises(InputError, match="--report_to tensorboard mlflow, but mlflow is not installed; "
+                                         "pip install mlflow"):
+        runtime.check_trackers(["tensorboard", "mlflow"])
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_never_tensorboard(
+        tmp_path, monkeypatch, fresh_accelerator_state):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from textclf import tracking
+    from textclf.config import TrainConfig
+
+    class Recorder(GeneralTracker):
+        """A tracker registered the way accelerate documents (register_tracker_class): records its project."""
+        name, requires_logging_directory, projects = "recorder", False, []
+
+        def __init__(self, project_name, **kwargs):
+            super().__init__()
+            Recorder.projects.append(project_name)
+
+        @property
+        def tracker(self):
+            return None
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            pass
+
+    monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, "recorder", Recorder)
+    for project in (None, "reviews"):
+        out = tmp_path / str(project)
+        cfg = TrainConfig(report_to=["tensorboard", "recorder"], run_name="first", project_name=project,
+                          output_dir=str(out))
+        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+                                  project_dir=cfg.output_dir)
+        tracking.start_trackers(accelerator, cfg.to_dict())
+        for step in (1, 2):
+            accelerator.log({"loss": 1.0 / step}, step=step)
+        accelerator.end_training()
+        AcceleratorState._reset_state(True)
+    assert Recorder.projects == [None, "reviews"]  # each tracker's own convention, or --project_name
+    events = EventAccumulator(str(tmp_path / "None" / "tensorboard" / "first"))
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
+
