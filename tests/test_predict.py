@@ -96,15 +96,16 @@ def test_an_unknown_output_format(tiny_model, tmp_path):
     assert "expected a file ending in .csv or .jsonl" in error
 
 
-def test_without_output_each_text_s_label_and_probability_go_to_the_terminal(tiny_model):
+def test_without_output_each_text_s_label_and_probability_go_to_the_terminal(tiny_model, capsys):
     texts = ["送餐很快，味道不错", "等了两个小时，菜都凉了", "一般"]
     before = set(os.listdir(REPO))
-    result = run_module("textclf.predict", ["--model", tiny_model, "--text", *texts], env={"OMP_NUM_THREADS": "1"})
+    main(["--model", str(tiny_model), "--text", *texts])
+    stdout = capsys.readouterr().out
     model, tokenizer = load_trained(str(tiny_model))
     probabilities = predict_logits(model, tokenizer, texts).softmax(dim=-1)
-    lines = [line.split("\t") for line in result.stdout.splitlines()]
+    lines = [line.split("\t") for line in stdout.splitlines()]
     assert [text for _, _, text in lines] == texts
     for (name, probability, _), expected in zip(lines, probabilities):
         assert name == model.config.id2label[int(expected.argmax())]
         assert float(probability) == pytest.approx(float(expected.max()), abs=1e-4)
-    assert set(os.listdir(REPO)) == before and "wrote" not in result.stdout  # nothing written
+    assert set(os.listdir(REPO)) == before and "wrote" not in stdout  # nothing written
