@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import (REPO, TINY, assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module,
-                      run_train)
+                      train_forked)
 from textclf.loading import checkpoint_weights
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
@@ -35,7 +35,8 @@ def lora_run(tmp_path_factory, lora_args):
     def get(strategy):
         if strategy not in runs:
             out = tmp_path_factory.mktemp(f"lora_{strategy}")
-            run_train([*lora_args, "--output_dir", out], config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+            train_forked([*lora_args, "--output_dir", out],
+                         config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
             runs[strategy] = out
         return runs[strategy]
 
@@ -107,8 +108,8 @@ def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tm
     out = lora_run(strategy)
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "step_1", resumed / "step_1")
-    run_train([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
-              config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+    train_forked([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
+                 config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert losses(resumed)[2] == losses(out)[2]
     for name in ("adapter_model.safetensors", "model.safetensors"):
         uninterrupted, continued = load_file(out / "model" / name), load_file(resumed / "model" / name)
