@@ -4,7 +4,8 @@ new launch and must end as the same run, bit for bit (docs/checkpoints.md), and 
 `pipeline` (with LoRA, in peft's two loaders too) with the trained model's predictions. A run of the whole
 matrix writes its outcome, cell by cell, to docs/matrix.md.
 
-2-process cells fork their ranks after the imports (conftest's train_forked); `python train.py` cells run it.
+Every cell's runs are forked after the imports (conftest's train_forked: `python train.py` as one process, the
+zoo files as `accelerate launch` sets up their 2 ranks); test_zoo.py keeps a real launch per zoo file.
 """
 
 import shutil
@@ -15,8 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import pipeline
 
-from conftest import (PROBE_TEXTS, REPO, TINY, assert_peft_loaders_predict_like_the_trained_model, losses,
-                      run_train, train_forked)
+from conftest import PROBE_TEXTS, REPO, TINY, assert_peft_loaders_predict_like_the_trained_model, losses, train_forked
 from matrix import CELLS, DIMENSIONS, LAUNCHES, cell_id, table
 from textclf.loading import load_trained, weight_files
 from textclf.predict import predict_logits
@@ -43,7 +43,7 @@ def outcomes():
 
 def launch(args, launch_name):
     if LAUNCHES[launch_name] is None:
-        return run_train(args)
+        return train_forked(args, config_file=None)
     config, launch_args = LAUNCHES[launch_name]
     return train_forked(args, config_file=REPO / "accelerate_configs" / config, launch_args=launch_args)
 
