@@ -77,17 +77,19 @@ from step 1 in a new launch, and loads the run's export in `pipeline` (and, with
 `AutoPeftModelForSequenceClassification` and `PeftModel.from_pretrained`). "passed" means every check
 named in its row held; the table is only rewritten by a run of the whole matrix.
 
+{ran}
+
 | family | launch | tuning | gradient checkpointing | task | outcome | resume | export loads in |
 |---|---|---|---|---|---|---|---|
 """
 
 
-def table(outcomes: dict) -> str:
+def table(outcomes: dict, ran: str = "") -> str:
     """docs/matrix.md: one row per cell, with what its test showed (`outcomes`: cell id -> (outcome, resume,
-    loaders))."""
+    loaders)); `ran` says when and with which versions."""
     rows = []
     for cell in CELLS:
         outcome, resume, loaders = outcomes.get(cell_id(cell), ("not run", "", ""))
         rows.append(f"| {cell['family']} | {LAUNCH_COMMANDS[cell['launch']]} | {cell['tuning']} | "
                     f"{cell['checkpointing']} | {cell['task']} | {outcome} | {resume} | {loaders} |")
-    return TABLE_HEADER + "\n".join(rows) + "\n"
+    return TABLE_HEADER.format(ran=ran) + "\n".join(rows) + "\n"

@@ -8,6 +8,7 @@ Every cell's runs are forked after the imports (conftest's train_forked: `python
 zoo files as `accelerate launch` sets up their 2 ranks); test_zoo.py keeps a real launch per zoo file.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,16 @@ def outcomes():
     shown = {}
     yield shown
     if len(shown) == len(CELLS):
-        MATRIX_PAGE.write_text(table(shown), encoding="utf-8")
+        MATRIX_PAGE.write_text(table(shown, ran_with()), encoding="utf-8")
+
+
+def ran_with() -> str:
+    import datetime
+    from importlib.metadata import version
+
+    packages = ", ".join(f"{name} {version(name)}" for name in ("torch", "transformers", "accelerate", "deepspeed",
+                                                                "peft"))
+    return f"Last run {datetime.date.today().isoformat()} on CPU ({os.cpu_count()} cores): {packages}."
 
 
 def launch(args, launch_name):
