@@ -158,6 +158,19 @@ def assert_refused(result, message):
     assert "Traceback" not in result.stderr
 
 
+def refusal(main, args) -> str:
+    """The InputError a command's `main(argv)` raises for `args` in this process: one line (asserted), returned.
+    What the command then prints and exits with is run_command's, checked by a few subprocess tests per command
+    (assert_refused)."""
+    from textclf.errors import InputError
+
+    with pytest.raises(InputError) as refused:
+        main(list(map(str, args)))
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
 def read_log(output_dir) -> list[dict]:
     with open(Path(output_dir) / "log.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]

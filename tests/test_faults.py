@@ -394,7 +394,8 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
 def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_model):
     import pickle
 
-    from conftest import run_module
+    from conftest import refusal
+    from textclf.predict import main
 
     class RunsCode:
         def __reduce__(self):
@@ -404,9 +405,8 @@ def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_
     (folder / "model.safetensors").unlink()
     with open(folder / "pytorch_model.bin", "wb") as f:
         pickle.dump(RunsCode(), f)
-    result = run_module("textclf.predict", ["--model", folder, "--text", "好", "--output", tmp_path / "p.jsonl"],
-                        check=False)
-    assert_refused(result, "its weights are a pickle that holds more than tensors")
+    error = refusal(main, ["--model", folder, "--text", "好", "--output", tmp_path / "p.jsonl"])
+    assert "its weights are a pickle that holds more than tensors" in error
     assert not (tmp_path / "code-ran").exists() and not (tmp_path / "p.jsonl").exists()
 
 
