@@ -1,5 +1,5 @@
 """train.py's ranks forked from a process that has already imported torch, transformers, accelerate and
-DeepSpeed: a 2-process run without paying the imports (12-14 s per process on 2 cores) at every launch.
+DeepSpeed: a 2-process run without paying every process's imports at every launch (docs/development.md).
 
 The environment each rank gets is the one `accelerate launch --config_file <zoo file>` gives it: accelerate's
 own launch code reads the config file and writes its settings as ACCELERATE_* variables
@@ -7,8 +7,8 @@ own launch code reads the config file and writes its settings as ACCELERATE_* va
 here. What this does not test is the launcher itself: a few tests per zoo file still run `accelerate launch`.
 
 The ranks come from a fork server (multiprocessing's "forkserver", which imports PRELOADED once per test
-process) rather than from the test process: a process forked after torch has run an operation or gloo has
-started its threads may hang, and the test process has done both.
+process) rather than from the test process: a process forked after torch has started its thread pools (or
+gloo its threads) may hang in them, and the test process runs torch itself.
 """
 
 import atexit
