@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 # What a rank of train.py imports; `train` is train.py imported as a module (its launch code is under
 # `if __name__ == "__main__"`).
 PRELOADED = ["forked", "train", "deepspeed", "torch.distributed.run"]
+# How long the other ranks of a failed run get to end after SIGTERM: one waiting in a collective for the
+# failed rank never does. torchrun's own grace period.
+STOP_GRACE_S = 30
 
 
 def launch_env(config_file, num_processes: int, port: int, launch_args=()) -> dict[str, str]:
@@ -107,11 +110,13 @@ def run_forked(args, num_processes, config_file, launch_args=(), env=None, timeo
     while any(process.exitcode is None for process in ranks):
         if failed is None:
             failed = next((process for process in ranks if process.exitcode not in (None, 0)), None)
-            for process in ranks if failed else ():
-                if process.exitcode is None:
-                    os.kill(process.pid, signal.SIGTERM)
+            if failed:  # as torchrun does: SIGTERM to the others, SIGKILL to those still there after a while
+                deadline = min(deadline, time.monotonic() + STOP_GRACE_S)
+                for process in ranks:
+                    if process.exitcode is None:
+                        os.kill(process.pid, signal.SIGTERM)
         if not timed_out and time.monotonic() > deadline:
-            timed_out = True
+            timed_out = failed is None
             for process in ranks:
                 process.kill()
         time.sleep(0.1)
