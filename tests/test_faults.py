@@ -2,6 +2,7 @@
 stale build locks, stopped launches, user errors under `accelerate launch` (docs/faults.md lists them
 with the test that covers each). Exact resume itself is tests/test_resume.py's."""
 
+import io
 import json
 import os
 import re
@@ -31,11 +32,13 @@ def args(reviews_csv, cache_dir):
 
 
 def launch(command, **kwargs) -> subprocess.Popen:
-    """Start a command in a session of its own (as a terminal would), output merged, lines collected."""
+    """Start a command in a session of its own (as a terminal would), output merged, lines collected: split at
+    "\n" alone, as a terminal shows them (a progress bar redraws its line after a "\r")."""
     process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **OFFLINE}, **kwargs)
+                               stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE}, **kwargs)
     process.lines = []
-    reader = threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True)
+    output = io.TextIOWrapper(process.stdout, encoding="utf-8", errors="replace", newline="\n")
+    reader = threading.Thread(target=lambda: process.lines.extend(output), daemon=True)
     reader.start()
     process.reader = reader
     return process
@@ -520,6 +523,44 @@ def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_
     last = max(losses(out))
     assert f"stopped by SIGTERM at step {last}; continue with: --resume {out / f'step_{last}'}" in output
     assert (out / f"step_{last}" / "position.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_file", [None, CPU_YAML], ids=["one-process", "cpu.yaml"])
+def test_ctrl_c_checkpoints_at_the_next_log_line_and_says_how_to_resume_on_a_line_of_its_own(
+        tmp_path, args, config_file):
+    out = tmp_path / "out"
+    process = launch(train_command([*args, "--max_steps", 500, "--output_dir", out], config_file))
+    wait_until(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 2, "training has begun")
+    started = descendants(process)
+    stop(process, "SIGINT")  # under accelerate launch, torchrun passes it on to both ranks
+    output = finish(process, timeout=300)
+    wait_until(lambda: all_gone(started), "every process of the launch has ended", timeout=120)
+    last = max(losses(out))
+    lines = output.split("\n")
+    assert f"stopped by SIGINT at step {last}; continue with: --resume {out / f'step_{last}'}" in lines, output[-3000:]
+    assert "SIGINT: saving a checkpoint at the next logging step (--logging_steps 1), then stopping; Ctrl-C again " \
+           "stops at once, without it" in lines
+    assert (out / f"step_{last}" / "position.json").exists() and last < 500
+    assert "KeyboardInterrupt" not in output
+    if config_file is None:  # torchrun itself exits non-zero when it receives the signal
+        assert process.returncode == 0 and "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, args):
+    out = tmp_path / "out"
+    # A log line (and so the stop) only far ahead; an evaluation at every step shows that training runs.
+    process = launch(train_command([*args, "--max_steps", 10 ** 5, "--logging_steps", 10 ** 5, "--save_steps", 10 ** 5,
+                                    "--eval_steps", 1, "--output_dir", out]))
+    wait_until(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 1, "training has begun")
+    stop(process, "SIGINT")
+    wait_until(lambda: any(line.startswith("SIGINT: saving a checkpoint") for line in process.lines),
+               "the first Ctrl-C is acknowledged")
+    stop(process, "SIGINT")
+    output = finish(process, timeout=300)  # the run would otherwise go on to its next log line, 10^5 steps on
+    assert process.returncode == -signal.SIGINT, output[-3000:]
+    assert not [path for path in out.iterdir() if "step_" in path.name] and "Traceback" not in output
 
 
 def hold_like_a_build(lock: Path) -> subprocess.Popen:
