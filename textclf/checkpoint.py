@@ -57,6 +57,7 @@ IDENTITY = {
     "data_fingerprint": "training data",
 }
 _held_locks = []  # the open lock files of this process: closing one would release the folder
+_warned = set()  # the step folders without position.json this process has warned of (choose_checkpoint runs twice)
 
 
 def identity(cfg, run: dict, data_fingerprint: str) -> dict:
@@ -141,9 +142,16 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     existing = complete_checkpoints(output_dir)
     if resume == "latest":
+        newer = without_position(output_dir, existing[-1][0] if existing else -1)
         if not existing:
-            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}; "
-                             "drop --resume to start a fresh run")
+            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}"
+                             + (f" ({', '.join(newer)} without {POSITION})" if newer else "")
+                             + "; drop --resume to start a fresh run")
+        if newer and int(os.environ.get("RANK", "0")) == 0 and newer[-1] not in _warned:
+            _warned.add(newer[-1])
+            print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
+                  f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
+                  f"{existing[-1][1]}", file=sys.stderr)
         return existing[-1][1]
     if resume:
         return resume
@@ -151,6 +159,24 @@ def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -
         raise InputError(f"{output_dir} already holds checkpoints (newest {existing[-1][1]}); pass --resume latest "
                          "to continue that run, or --overwrite_output_dir to start over")
     return None
+
+
+def without_position(output_dir: str, newer_than: int) -> list[str]:
+    """The step_<N> folders above step `newer_than` that have no position.json, oldest first: a save never
+    leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
+    found = [(int(match.group(1)), name) for name in os.listdir(output_dir) if (match := STEP_DIR.match(name))] \
+        if os.path.isdir(output_dir) else []
+    return [name for step, name in sorted(found)
+            if step > newer_than and not os.path.isfile(os.path.join(output_dir, name, POSITION))]
+
+
+def continue_advice(output_dir: str) -> str:
+    """What to do after a failed write: continue from the newest complete checkpoint, or start again."""
+    previous = complete_checkpoints(output_dir)
+    if previous:
+        return (f"free space (or choose another --output_dir), then continue with --resume latest (the newest "
+                f"complete checkpoint, {previous[-1][1]}, is untouched)")
+    return "free space (or choose another --output_dir) and start again: no checkpoint was completed yet"
 
 
 def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pickle: bool) -> None:
@@ -505,10 +531,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     """
     final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
-    previous = complete_checkpoints(output_dir)
-    advice = (f"free space (or choose another --output_dir), then continue with --resume latest (the newest complete "
-              f"checkpoint, {previous[-1][1]}, is untouched)" if previous else
-              "free space (or choose another --output_dir) and start again: no checkpoint was completed yet")
+    advice = continue_advice(output_dir)
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
