@@ -67,18 +67,27 @@ def error_lines(text: str) -> list[str]:
 @pytest.mark.parametrize("config_file", [None, CPU_YAML], ids=["one-process", "cpu.yaml"])
 def test_two_runs_started_together_one_owns_the_folder_and_the_other_says_which_process(
         tmp_path, args, config_file, four_step_run):
-    # four_step_run has filled the caches (tokenizer, tokenized data): both runs start as fast, and the
-    # first to claim the folder is still training when the other gets there.
+    # The first run is held still (SIGSTOP, every process of its launch) once it owns the folder and has
+    # logged a step, so that the second arrives while it runs however loaded the machine is.
     out = tmp_path / "contested"
     run = [*args, "--max_steps", 60, "--save_steps", 20, "--output_dir", out]
-    runs = [launch(train_command(run, config_file)) for _ in range(2)]
-    outputs = [finish(process) for process in runs]
-    codes = [process.returncode for process in runs]
-    assert sorted(code == 0 for code in codes) == [False, True], outputs
-    refused = outputs[codes.index(next(code for code in codes if code != 0))]
-    errors = error_lines(refused)
-    holder = (out / ".lock").read_text().strip()  # the winner's main process: pid, host, start, command
-    assert len(errors) == 1 and f"{out} is in use by another run ({holder})" in errors[0], refused[-3000:]
+    first = launch(train_command(run, config_file))
+    wait_until(lambda: (out / ".lock").exists() and (out / ".lock").read_text() and (out / "log.jsonl").exists()
+               and "\n" in (out / "log.jsonl").read_text(), "the first run owns the folder and has logged a step")
+    held = [psutil.Process(first.pid), *descendants(first)]
+    for process in held:
+        process.suspend()
+    try:
+        second = run_train(run, config_file=config_file, check=False)
+    finally:
+        for process in held:
+            process.resume()
+    output = finish(first)
+    assert first.returncode == 0, output[-3000:]
+    holder = (out / ".lock").read_text().strip()  # the first run's main process: pid, host, start, command
+    errors = error_lines(second.stderr)
+    assert second.returncode != 0 and len(errors) == 1, second.stderr[-3000:]
+    assert f"{out} is in use by another run ({holder})" in errors[0], second.stderr[-3000:]
     assert re.match(r"pid \d+ on \S+, since ", holder)
     # The folder holds one run: every step logged once, checkpoints made by that run, its model.
     assert sorted(losses(out)) == list(range(1, 61))
