@@ -274,13 +274,14 @@ def manifest(folder: str) -> dict:
                 sizes[relative] = os.path.getsize(path)
     names = sorted(sizes)
     digests = sha256_all([os.path.join(folder, name) for name in names])
-    for name, digest in zip(names, digests):
+    for digest in digests:
         if isinstance(digest, OSError):
             raise digest
     return {name: {"size": sizes[name], "sha256": digest} for name, digest in zip(names, digests)}
 
 
-def complete(folder: str, position: dict, advice: str = "free space or make the folder writable, then run again") -> None:
+def complete(folder: str, position: dict,
+             advice: str = "free space or make the folder writable, then run again") -> None:
     """Write position.json, last: the position, the list of the folder's files and its own sha256."""
     write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}), advice)
 
