@@ -105,6 +105,7 @@ def test_a_run_waiting_on_the_lock_while_overwrite_moves_the_folder_aside_does_n
     locks belong to open files, so two threads that each open .lock contend as two processes do. The
     delays are injected: A's rename waits until B has opened the lock file, B's lock until A is done."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from textclf import checkpoint
     from textclf.errors import InputError
@@ -147,6 +148,7 @@ def test_a_run_waiting_on_the_lock_while_overwrite_moves_the_folder_aside_does_n
     b.start()
     a.join(timeout=120)
     b.join(timeout=120)
+    AcceleratorState._reset_state(True)
     try:
         assert runs["A"] == "owns it"
         assert runs["B"].startswith(f"{out} is in use by another run (pid {os.getpid()} on "), runs

@@ -86,13 +86,17 @@ def test_a_flipped_byte_that_breaks_position_json_names_it(step_2):
 
 def test_the_best_model_s_reload_checks_the_checkpoint_first(step_2, tmp_path):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from textclf.cadence import load_best
 
     flip_byte(step_2 / "model.safetensors")
     best = {"step": 2, "checkpoint": str(step_2), "metrics": {"eval_f1": 0.5}}
-    with pytest.raises(InputError) as refused:
-        load_best(Accelerator(cpu=True), best, step=4, output_dir=str(tmp_path))
+    try:
+        with pytest.raises(InputError) as refused:
+            load_best(Accelerator(cpu=True), best, step=4, output_dir=str(tmp_path))
+    finally:
+        AcceleratorState._reset_state(True)
     assert one_line(refused).startswith(f"cannot load checkpoint {step_2}: model.safetensors is not the file")
 
 
