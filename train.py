@@ -22,7 +22,6 @@ if __name__ == "__main__":
 import math
 import os
 import signal
-import threading
 
 import torch
 from accelerate.utils import DistributedType, set_seed
@@ -102,8 +101,22 @@ def main(cfg: TrainConfig) -> None:
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
     tracking.start_trackers(accelerator, cfg.to_dict())
-    stop_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+    # SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
+    # the next logging step, then a clean stop; a second Ctrl-C stops at once, without one.
+    stop_requested = []  # the names of the signals received
+
+    def request_stop(signum, _frame):
+        stop_requested.append(signal.Signals(signum).name)
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if accelerator.is_local_main_process and len(stop_requested) == 1:
+            again = "; Ctrl-C again stops at once, without it" if signum == signal.SIGINT else ""
+            # os.write, not print: the signal may have interrupted a print, which must not be re-entered.
+            os.write(2, f"\n{stop_requested[0]}: saving a checkpoint at the next logging step (--logging_steps "
+                        f"{cfg.logging_steps}), then stopping{again}\n".encode())
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, request_stop)
 
     def describe_model(folder):
         """What export needs besides the weights: the model's config (with id2label) and tokenizer."""
@@ -159,7 +172,7 @@ def main(cfg: TrainConfig) -> None:
                 window = tracking.Window()
                 # All ranks agree here whether any was asked to stop: asking waits for the device, as
                 # logging does, so a step between two log lines never waits for it.
-                if stop_requested.is_set():
+                if stop_requested:
                     accelerator.set_trigger()
                 stopping = accelerator.check_trigger()
             metrics = {}
@@ -177,7 +190,9 @@ def main(cfg: TrainConfig) -> None:
             if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping:
                 path = save(step, epoch, batch_in_epoch, metrics, window)
             if stopping:
-                accelerator.print(f"stopped by SIGTERM at step {step}; continue with: --resume {path}")
+                progress.close()  # the bar's line ends first: the --resume line is one of its own
+                stopped_by = stop_requested[0] if stop_requested else "a signal to another rank"
+                accelerator.print(f"stopped by {stopped_by} at step {step}; continue with: --resume {path}")
                 accelerator.end_training()
                 return
             if step >= total_steps:
