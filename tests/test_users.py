@@ -170,3 +170,48 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
 
+
+
+# --- the other bad inputs: one line each ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "./my_modle"], "model not found: ./my_modle is a path (a hub id is name or namespace/name) and "
+                                "nothing is there"),
+    (["--dataloader_num_workers", "-1"], "dataloader_num_workers must be 0 or more, got -1"),
+    (["--warmup_steps", "-2"], "warmup_steps must be 0 or more, got -2"),
+    (["--runname", "a"], "unknown config key(s) --runname (did you mean --run_name?)"),
+    (["--do_train"], "(--do_train: train.py always trains; leave it out)"),
+    (["--push_to_hub"], "(--push_to_hub: upload the exported model with `hf upload <repo_id> <output_dir>/model`)"),
+    (["--text_column", "review", "--label_column", "review"],
+     "column 'review' is both the text and the label column; name the texts with --text_column"),
+])
+def test_bad_command_lines_are_one_line_saying_what_to_do(argv, message):
+    from textclf.config import parse_config
+
+    with pytest.raises(InputError) as refused:
+        parse_config(argv)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("recipe, command_line, blamed", [
+    ("max_steps: two\n", [], True),
+    ("max_steps: -3\n", [], True),
+    ("max_steps: two\n", ["--max_steps", "3"], True),  # argparse still reads the recipe's value, and quotes it
+    ("max_steps: 3\n", ["--max_steps", "0"], False),  # the command line's value
+])
+def test_a_type_error_in_a_recipe_names_the_recipe(tmp_path, recipe, command_line, blamed):
+    from textclf.config import parse_config
+
+    path = write(tmp_path / "recipe.yaml", recipe)
+    with pytest.raises(InputError) as refused:
+        parse_config(["--config", path, *command_line])
+    assert str(refused.value).startswith(f"config recipe {path}: ") == blamed
+    assert "max_steps" in str(refused.value)
+
+
+def test_predict_says_when_no_label_is_above_the_threshold():
+    import torch
+
+    task = Task("multi_label", "review", "label", threshold=0.7)
+    rows = task.prediction_rows(["一般"], None, torch.tensor([[0.0, -1.0]]), ["服务", "价格"])
+    assert task.terminal_line(rows[0]) == "(no label above 0.7)\t一般"

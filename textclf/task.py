@@ -265,7 +265,8 @@ class Task:
         if self.kind == "single_label":
             return f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}\t{texts}"
         if self.kind == "multi_label":
-            return f"{self.label_separator.join(row['label_names'])}\t{texts}"
+            names = self.label_separator.join(row["label_names"]) or f"(no label above {self.threshold})"
+            return f"{names}\t{texts}"
         return f"{row[SCORE]:.4f}\t{texts}"
 
 
