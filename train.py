@@ -35,7 +35,7 @@ from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator
+from textclf.runtime import describe, exit_finished_run, launch_shortfall, make_accelerator
 from textclf.task import Task
 
 
@@ -46,6 +46,8 @@ def main(cfg: TrainConfig) -> None:
     accelerator.print(" | ".join(f"{k}: {run[k]}" for k in ("distributed_type", "num_processes", "mixed_precision",
                                                             "zero_stage", "device", "micro_batch_size",
                                                             "global_batch_size")))
+    if accelerator.is_main_process and (shortfall := launch_shortfall(accelerator.num_processes)):
+        print(f"warning: {shortfall}")  # the launch asked for more processes than it started: said, not refused
     set_seed(cfg.seed)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.

@@ -215,3 +215,35 @@ def test_predict_says_when_no_label_is_above_the_threshold():
     task = Task("multi_label", "review", "label", threshold=0.7)
     rows = task.prediction_rows(["一般"], None, torch.tensor([[0.0, -1.0]]), ["服务", "价格"])
     assert task.terminal_line(rows[0]) == "(no label above 0.7)\t一般"
+
+
+# --- fewer processes than asked ----------------------------------------------------------------------------
+
+def one_process_yaml(tmp_path):
+    """What `accelerate config default` writes on a machine without GPUs: one process, distributed_type NO."""
+    return write(tmp_path / "default.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\n"
+                                            "num_processes: 1\nmixed_precision: 'no'\nuse_cpu: true\n")
+
+
+def test_a_launch_that_starts_fewer_processes_than_asked_is_said_by_the_checks_rule(tmp_path):
+    from textclf.runtime import launch_shortfall
+
+    yaml = one_process_yaml(tmp_path)
+    line = launch_shortfall(1, ["--config_file", yaml, "--num_processes", "2", "train.py", "--max_steps", "3"])
+    assert line == (f"{yaml}: distributed_type NO starts a single process, not the 2 asked for; for several use "
+                    "MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU (train.py uses gloo there), or "
+                    "--multi_gpu on the launch line")
+    assert launch_shortfall(1, ["--config_file", yaml, "train.py"]) is None
+
+
+def test_train_py_warns_once_when_accelerate_launch_starts_one_of_two_processes(tmp_path):
+    from conftest import TINY, run_train
+
+    result = run_train([*TINY, "--data", tmp_path / "missing.csv", "--output_dir", tmp_path / "out"],
+                       config_file=one_process_yaml(tmp_path), extra_launch_args=["--num_processes", "2"], check=False)
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "distributed_type NO starts a single process, not the 2 asked for" in warnings[0]
+    # accelerate's simple launcher reports the exit status 2 as its own failure (exit status 1)
+    assert result.returncode != 0 and [line for line in result.stderr.splitlines() if line.startswith("error:")] \
+        == [f"error: data not found: {tmp_path / 'missing.csv'} (expected CSV, TSV (or other delimited text, with "
+            "--delimiter), JSON Lines, JSON or Parquet, or a folder saved by `datasets`)"]

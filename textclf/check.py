@@ -31,7 +31,7 @@ from .errors import InputError
 from .job import load_data
 from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
                        parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
-from .runtime import COMPILE_REFUSED, zero_offload
+from .runtime import COMPILE_REFUSED, fewer_processes, zero_offload
 from .task import Task
 from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
                      framework_buffer_bytes, model_state_bytes)
@@ -247,11 +247,9 @@ def check_topology(launch: dict, conflicts: list[str]) -> None:
     """The yaml mistakes that make `accelerate launch` start something other than what it says."""
     path, kind = launch["path"], launch["yaml_distributed_type"]
     processes, machines = launch["num_processes"], launch["num_machines"]
-    if processes < launch["requested_processes"]:
-        conflicts.append(f"{path or 'the launch'}: distributed_type {kind} starts a single process"
-                         f"{' without mpirun' if kind == 'MULTI_CPU' else ''}, not the {launch['requested_processes']} "
-                         "asked for; for several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU "
-                         "(train.py uses gloo there), or --multi_gpu on the launch line")
+    shortfall = fewer_processes(processes, launch["requested_processes"], kind, path)
+    if shortfall:
+        conflicts.append(shortfall)
     if processes % machines:
         conflicts.append(f"{path}: num_processes {processes} (all machines together) is not a multiple of "
                          f"num_machines {machines}")
