@@ -247,3 +247,42 @@ def test_train_py_warns_once_when_accelerate_launch_starts_one_of_two_processes(
     assert result.returncode != 0 and [line for line in result.stderr.splitlines() if line.startswith("error:")] \
         == [f"error: data not found: {tmp_path / 'missing.csv'} (expected CSV, TSV (or other delimited text, with "
             "--delimiter), JSON Lines, JSON or Parquet, or a folder saved by `datasets`)"]
+
+
+# --- answers in seconds ------------------------------------------------------------------------------------
+
+RUN = {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}
+
+
+@pytest.mark.parametrize("position, launch", [
+    ({"world_size": 2, "zero_stage": None, "mixed_precision": "no"},
+     "number of processes 2 (this launch: 1); resume it with accelerate launch --config_file "
+     "accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2 --mixed_precision no train.py --resume ck"),
+    ({"world_size": 2, "zero_stage": 3, "mixed_precision": "bf16"},
+     "number of processes 2 (this launch: 1), DeepSpeed ZeRO stage 3 (this launch: None), precision "
+     "(mixed_precision) bf16 (this launch: no); resume it with accelerate launch --config_file "
+     "accelerate_configs/zero3.yaml (or its _offload variant) --num_processes 2 --mixed_precision bf16 train.py"),
+])
+def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, launch):
+    from textclf import checkpoint
+
+    with pytest.raises(InputError) as refused:
+        checkpoint.check_launch("ck", position, RUN)
+    assert str(refused.value).startswith(f"cannot resume from ck: it was made by a launch with {launch}")
+    checkpoint.check_launch("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN)
+
+
+@pytest.mark.parametrize("command", ["train.py", "-m textclf.check", "-m textclf.predict", "-m textclf.report",
+                                     "-m textclf.export"])
+def test_every_command_answers_help_before_importing_torch(command):
+    """-X importtime lists every module imported: --help must be answered before torch is."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-X", "importtime", *command.split(), "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage:" in result.stdout
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "datasets", "accelerate"} & imported

@@ -24,17 +24,8 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-import torch
-
 from .config import TrainConfig, parse_config
-from .errors import InputError
-from .job import load_data
-from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
-                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
-from .runtime import COMPILE_REFUSED, fewer_processes, zero_offload
-from .task import Task
-from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
-                     framework_buffer_bytes, model_state_bytes)
+from .errors import InputError, run_command
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -59,6 +50,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     except argparse.ArgumentError as e:
         raise InputError(str(e)) from None
     return args, parse_config(training_args)
+
+
+if __name__ == "__main__":
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below.
+    PARSED = run_command(lambda: parse_args(sys.argv[1:]))
+
+import torch
+
+from .job import load_data
+from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
+                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
+from .runtime import COMPILE_REFUSED, fewer_processes, zero_offload
+from .task import Task
+from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
+                     framework_buffer_bytes, model_state_bytes)
+
 
 
 def read_launch(args: argparse.Namespace) -> dict:
@@ -487,9 +494,9 @@ def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, k
                  + (", checkpointed" if cfg.gradient_checkpointing else ""))]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, parsed: Optional[tuple] = None) -> int:
     try:
-        args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        args, cfg = parsed or parse_args(sys.argv[1:] if argv is None else argv)
         report, warnings, conflicts = check(args, cfg)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -504,4 +511,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parsed=PARSED))

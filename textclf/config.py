@@ -36,6 +36,10 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
                  "inverse_sqrt")
 
 
+# The kinds of task (textclf/task.py), here so that a command line can offer them before the heavy imports.
+KINDS = ("single_label", "multi_label", "regression")
+
+
 def default_learning_rate(model: str, lora: bool) -> float:
     if model.startswith("scratch-"):
         return DEFAULT_LEARNING_RATES["scratch models"]
@@ -116,7 +120,7 @@ class TrainConfig:
     )
 
     # --- task (textclf/task.py, docs/tasks.md) ---
-    task: Literal["single_label", "multi_label", "regression"] = field(
+    task: Literal[KINDS] = field(
         default="single_label",
         metadata={"help": "single_label: one label per text (softmax); multi_label: a set of labels per text "
                   "(a sigmoid per label); regression: a number per text (num_labels=1)."},
@@ -376,6 +380,16 @@ FOREIGN = {
     "push_to_hub": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
     "hub_model_id": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
 }
+
+
+def add_task_options(parser: argparse.ArgumentParser) -> None:
+    """The task's options, for predict and report; by default those the model was trained with."""
+    parser.add_argument("--task", choices=KINDS, help="the task (default: the one the model was trained for)")
+    parser.add_argument("--text_column", help="the column that holds the text (default: the training run's)")
+    parser.add_argument("--text_pair_column", help="the column that holds the second text of a pair "
+                                                   "(default: the training run's)")
+    parser.add_argument("--threshold", type=float, help="multi_label: a label is predicted where its sigmoid "
+                                                        "exceeds this (default: the training run's)")
 
 
 def field_names() -> list[str]:

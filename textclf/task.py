@@ -21,9 +21,9 @@ from typing import Optional
 import numpy as np
 from datasets import ClassLabel, List, Value
 
+from .config import KINDS
 from .errors import InputError
 
-KINDS = ("single_label", "multi_label", "regression")
 PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
                  "regression": "regression"}
 # Each kind's scores in the order they are printed: key (logged as eval_<key>), title, whether higher is better.
