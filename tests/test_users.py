@@ -1,6 +1,8 @@
 """What users type and what their tools see: labels as people write them, trackers, the command line's
 answers. In-process where the behaviour allows it (the functions are called, their InputError caught)."""
 
+import warnings
+
 import pytest
 
 from textclf.data import load_splits
@@ -286,3 +288,70 @@ def test_every_command_answers_help_before_importing_torch(command):
     assert result.returncode == 0 and "usage:" in result.stdout
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "datasets", "accelerate"} & imported
+
+
+# --- quiet by default --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pretrained_backbone(tmp_path_factory):
+    """A tiny BERT saved with its pretraining (masked-LM) head, as hub checkpoints are: no classification head."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    from textclf.modeling import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("backbone")
+    train_tokenizer(["好吃 很好", "太差了 不好", "一般 还行"] * 30, str(folder / "tokenizer"))
+    tokenizer = BertTokenizerFast.from_pretrained(folder / "tokenizer")
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    BertForMaskedLM(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return str(folder / "model"), tokenizer
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
+        pretrained_backbone, capfd, caplog, monkeypatch, verbose):
+    from textclf.modeling import apply_lora, build_model
+
+    if verbose:
+        monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
+    model, tokenizer = pretrained_backbone
+    built = build_model(model, tokenizer, ["a", "b"], 32, gradient_checkpointing=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(built, 4, 8, 0.0)
+    out, err = capfd.readouterr()
+    notes = [line for line in (out + err).splitlines() if line.startswith("note:")]
+    assert notes == [] if verbose else [
+        f"note: {model}: new bert.pooler.dense, classifier, trained from random weights (the classification head); "
+        "5 of its weights unused (its pretraining head); TEXTCLF_VERBOSE=1 shows transformers' load report"]
+    assert ("LOAD REPORT" in out + err + caplog.text) == verbose  # a terminal, or pytest's log capture
+    deprecated = [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert bool(deprecated) == verbose
+
+
+def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
+    import logging
+
+    from textclf.errors import actionable
+
+    assert actionable in logging.getLogger("DeepSpeed").filters
+    record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, "Setting accelerator to "
+                               "CPU. If you have GPU or other accelerator, we were unable to detect it.", None, None)
+    assert not actionable(record)
+    assert actionable(logging.LogRecord("DeepSpeed", logging.WARNING, "x.py", 1, "something else", None, None))
+    monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
+    assert actionable(record)
+
+
+def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypatch):
+    rows = "label,review\n" + "".join(f"{i % 2},评论{i}\n" for i in range(20)) + "1,\n"
+    monkeypatch.setenv("RANK", "1")
+    splits(tmp_path, "d.csv", rows)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    splits(tmp_path, "d.csv", rows)
+    assert capsys.readouterr().out.splitlines() == ["warning: dropped 1 row(s) with empty text from "
+                                                    f"{tmp_path / 'd.csv'}", f"eval: 25% of {tmp_path / 'd.csv'} "
+                                                    "held out, stratified by label"]

@@ -1,5 +1,7 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
+import contextlib
+import io
 import logging
 import os
 import platform
@@ -18,7 +20,7 @@ from accelerate.utils import DynamoBackend, LoggerType, is_wandb_available
 
 from . import tracking
 from .config import TrainConfig
-from .errors import InputError
+from .errors import InputError, verbose
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower
 # (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
@@ -44,21 +46,27 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if deepspeed and not has_cuda:
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
-    accelerator = Accelerator(
-        cpu=not has_cuda and not deepspeed,
-        mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
-        step_scheduler_with_optimizer=False,
-        log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
-        project_dir=cfg.output_dir,
-        # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-        # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
-        # a blocking copy would wait for the previous step to finish before the next could be queued.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
-                                                  non_blocking=has_cuda),
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
-    )
+    if not verbose():  # DeepSpeed's calls of a torch function that torch deprecated: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*torch.distributed.all_gather_into_tensor.* is deprecated",
+                                category=FutureWarning)
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints "... built successfully" per rank
+        accelerator = Accelerator(
+            cpu=not has_cuda and not deepspeed,
+            mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
+            step_scheduler_with_optimizer=False,
+            log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+            project_dir=cfg.output_dir,
+            # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
+            # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
+            # a blocking copy would wait for the previous step to finish before the next could be queued.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                      non_blocking=has_cuda),
+            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
+        )
+    print("".join(line for line in said.getvalue().splitlines(keepends=True)
+                  if verbose() or not line.endswith("built successfully\n")), end="")
     dynamo_backend = accelerator.state.dynamo_plugin.backend
     if dynamo_backend != DynamoBackend.NO:
         raise InputError(f"dynamo_backend is {dynamo_backend.value.lower()}: {COMPILE_REFUSED}")

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 from datasets import ClassLabel, List, Value
 
-from .config import KINDS
+from .config import KINDS  # noqa: F401  (the kinds of task, where the command lines read them early)
 from .errors import InputError
 
 PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
