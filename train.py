@@ -34,7 +34,7 @@ from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator
+from textclf.runtime import describe, exit_finished_run, launch_shortfall, make_accelerator
 from textclf.task import Task
 
 
@@ -45,7 +45,14 @@ def main(cfg: TrainConfig) -> None:
     accelerator.print(" | ".join(f"{k}: {run[k]}" for k in ("distributed_type", "num_processes", "mixed_precision",
                                                             "zero_stage", "device", "micro_batch_size",
                                                             "global_batch_size")))
+    if accelerator.is_main_process and (shortfall := launch_shortfall(accelerator.num_processes)):
+        print(f"warning: {shortfall}")  # the launch asked for more processes than it started: said, not refused
     set_seed(cfg.seed)
+    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
+    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    if resume_from:  # a launch that cannot resume it is told so before the data is read, with the one that can
+        position = checkpoint.read_verified_position(resume_from)
+        checkpoint.check_launch(resume_from, position, run)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
@@ -56,10 +63,7 @@ def main(cfg: TrainConfig) -> None:
 
     # Where this run starts: step 0, or a checkpoint made by the same kind of run.
     identity = checkpoint.identity(cfg, run, data_fingerprint)
-    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
-    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:
-        position = checkpoint.read_verified_position(resume_from)
         checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
     best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
     if best and cfg.load_best_model_at_end:
@@ -80,6 +84,10 @@ def main(cfg: TrainConfig) -> None:
         checkpoint.check_resume(accelerator, resume_from, position, total_steps=total_steps,
                                 steps_per_epoch=steps_per_epoch, batches_per_epoch=batches_per_epoch,
                                 gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        if position["step"] == total_steps:
+            accelerator.print(f"{resume_from} is the end of this run (step {total_steps}): nothing left to train; "
+                              "evaluating and exporting it again. To train longer, pass a larger --max_steps or "
+                              "--num_train_epochs")
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,

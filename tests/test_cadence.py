@@ -7,7 +7,6 @@ import pytest
 
 from conftest import TINY, read_log, run_train
 from textclf.cadence import due, find_best_checkpoint, load_best, patience_ran_out, track_best
-from textclf.checkpoint import complete
 
 
 def test_strategies_count_optimizer_steps_and_epochs():

@@ -303,12 +303,15 @@ BAD_RESUMES = {
     "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
                              "made with gradient_accumulation_steps = 1, this run has 2"),
     "changed world size": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(world_size=2)), [],
-                           "made with number of processes = 2, this run has 1"),
+                           "made by a launch with number of processes 2 (this launch: 1); resume it with "
+                           "accelerate launch"),
     "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
-                         "made with DeepSpeed ZeRO stage = 2, this run has None"),
+                         "made by a launch with DeepSpeed ZeRO stage 2 (this launch: None); resume it with "
+                         "accelerate launch --config_file accelerate_configs/zero2.yaml"),
     # as a launch under ddp_bf16.yaml would set it, where the config's own field stays unset
     "changed precision": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(mixed_precision="bf16")), [],
-                          "made with precision (mixed_precision) = bf16, this run has no"),
+                          "made by a launch with precision (mixed_precision) bf16 (this launch: no); resume it "
+                          "with python train.py --mixed_precision bf16 --resume"),
 }
 
 

@@ -180,6 +180,32 @@ def continue_advice(output_dir: str, free_space: bool = True) -> str:
     return f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
 
 
+LAUNCH_KEYS = ("world_size", "zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
+
+
+def check_launch(checkpoint: str, position: dict, run: dict) -> None:
+    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can."""
+    this = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
+            "mixed_precision": run["mixed_precision"]}
+    differ = [f"{IDENTITY[key]} {position.get(key)} (this launch: {this[key]})" for key in LAUNCH_KEYS
+              if key in position and position[key] != this[key]]
+    if differ:
+        raise InputError(f"cannot resume from {checkpoint}: it was made by a launch with {', '.join(differ)}; "
+                         f"resume it with {launch_for(position)} --resume {checkpoint}")
+
+
+def launch_for(position: dict) -> str:
+    """The command line that starts a run of the checkpoint's launch (processes, ZeRO stage, precision)."""
+    world, stage, precision = position.get("world_size", 1), position.get("zero_stage"), position.get("mixed_precision")
+    if world == 1 and stage is None:
+        return "python train.py" + (f" --mixed_precision {precision}" if precision not in (None, "no") else "")
+    config = (f"accelerate_configs/zero{stage}.yaml (or its _offload variant)" if stage in (2, 3) else
+              f"<a ZeRO-{stage} yaml>" if stage is not None else
+              "accelerate_configs/cpu.yaml (ddp.yaml on GPUs)")
+    return (f"accelerate launch --config_file {config} --num_processes {world} --mixed_precision {precision} "
+            "train.py")
+
+
 def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pickle: bool) -> None:
     """Stop when the checkpoint was made by a run that differs in a way resume cannot bridge, or
     when loading it would unpickle arbitrary objects without the user's say-so.
