@@ -335,7 +335,8 @@ def family_model(tmp_path_factory, reviews_csv):
 
 # --- pipeline() on an exported folder, as a user runs it -------------------------------------------------
 
-PROBE_TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣", "还行",
+PROBE_TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣",
+               "还行",
                "Great value, would buy again.", "物流快 👍"]
 
 

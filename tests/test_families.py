@@ -14,11 +14,22 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from conftest import (PROBE_TEXTS, REPO, assert_pipeline_predicts_like_the_trained_model, assert_refused, losses,
-                      moved_away, read_csv, read_log, run_module, run_train, train_forked)
-from families import FAMILIES
 from test_resume import assert_same_run
+
+from conftest import (
+    PROBE_TEXTS,
+    REPO,
+    assert_pipeline_predicts_like_the_trained_model,
+    assert_refused,
+    losses,
+    moved_away,
+    read_csv,
+    read_log,
+    run_module,
+    run_train,
+    train_forked,
+)
+from families import FAMILIES
 from textclf import check
 from textclf.config import parse_config
 from textclf.errors import InputError

@@ -582,7 +582,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, args):
 def hold_like_a_build(lock: Path) -> subprocess.Popen:
     """A process holding `lock` the way torch's extension build does while it compiles (its FileBaton)."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from torch.utils.file_baton import FileBaton; "
-                               "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); time.sleep(600)",
+                               "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); "
+                               "time.sleep(600)",
                                str(lock)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder

@@ -13,8 +13,16 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import (REPO, TINY, assert_peft_loaders_predict_like_the_trained_model,
-                      assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module, train_forked)
+from conftest import (
+    REPO,
+    TINY,
+    assert_peft_loaders_predict_like_the_trained_model,
+    assert_pipeline_predicts_like_the_trained_model,
+    losses,
+    moved_away,
+    run_module,
+    train_forked,
+)
 from textclf.export import export_checkpoint
 from textclf.loading import checkpoint_weights
 

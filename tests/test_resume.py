@@ -489,7 +489,8 @@ def test_a_flag_that_would_change_the_resumed_run_is_refused_in_one_line(tmp_pat
     checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
     with pytest.raises(InputError) as error:
         parse_config(["--resume", str(checkpoint), *flags])
-    assert str(error.value).startswith(f"cannot resume from {checkpoint}: it was made with {made}, this run has {asked}")
+    assert str(error.value).startswith(
+        f"cannot resume from {checkpoint}: it was made with {made}, this run has {asked}")
     assert "start a new run" in str(error.value)
 
 
@@ -503,7 +504,8 @@ def test_a_recipe_cannot_change_the_resumed_run_either_and_unknown_options_are_r
     with pytest.raises(InputError, match="made with learning_rate = 0.002, this run has 0.01"):
         parse_config(["--config", str(recipe), "--resume", str(checkpoint)])
     newer = fake_checkpoint(tmp_path / "newer" / "step_8", torch_compile_mode="max")
-    with pytest.raises(InputError, match="its config has option.s. torch_compile_mode that this train.py does not know"):
+    with pytest.raises(InputError,
+                       match="its config has option.s. torch_compile_mode that this train.py does not know"):
         parse_config(["--resume", str(newer)])
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 from sklearn.metrics import f1_score
+from test_resume import assert_same_run
 from transformers import AutoModelForSequenceClassification, pipeline
 
 from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, train_forked
-from test_resume import assert_same_run
 from textclf.data import clean_text
 from textclf.loading import load_trained
 from textclf.predict import predict_logits

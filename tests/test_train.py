@@ -5,12 +5,25 @@ import json
 import os
 
 import pytest
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, \
-    BertForSequenceClassification, pipeline
-
-from conftest import (ASPECTS, REPO, TINY, assert_pipeline_predicts_like_the_trained_model, assert_refused, read_log,
-                      run_train, train_forked)
 from test_resume import assert_same_run
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    pipeline,
+)
+
+from conftest import (
+    ASPECTS,
+    REPO,
+    TINY,
+    assert_pipeline_predicts_like_the_trained_model,
+    assert_refused,
+    read_log,
+    run_train,
+    train_forked,
+)
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 

@@ -59,13 +59,28 @@ if __name__ == "__main__":
 import torch
 
 from .job import load_data
-from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
-                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
+from .modeling import (
+    SCRATCH_VOCAB_SIZE,
+    apply_lora,
+    embedding_holders,
+    layer_classes,
+    model_config,
+    parameter_counts,
+    scratch_config,
+    scratch_size,
+    scratch_tokenizer_folder,
+)
 from .runtime import COMPILE_REFUSED, check_deepspeed_config, fewer_processes, zero_offload
 from .task import Task
-from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
-                     framework_buffer_bytes, model_state_bytes)
-
+from .theory import (
+    BYTES_PER_PARAM,
+    FRAMEWORK_BASELINE_BYTES,
+    OFFLOADED_BY,
+    SHARDED_FROM_STAGE,
+    activation_bytes,
+    framework_buffer_bytes,
+    model_state_bytes,
+)
 
 
 def read_launch(args: argparse.Namespace) -> dict:
@@ -156,7 +171,11 @@ def quiet_accelerate():
 def launcher_and_environment(launch_args: argparse.Namespace, precision_from_yaml: bool) -> tuple[str, dict]:
     """The launcher `accelerate launch` picks (the order of launch_command's branches) and the
     ACCELERATE_* environment it gives train.py."""
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     if launch_args.use_deepspeed and not launch_args.cpu:
         fields = [*launch_args.deepspeed_config, *(["mixed_precision"] if precision_from_yaml else [])] \
@@ -212,7 +231,8 @@ def deepspeed_precision(launch: dict, ds: dict, ds_place: str, precision: str, s
     for dtype, value in explicit.items():
         if (value is True) != (precision == dtype):
             conflicts.append(f"precision: {source} is {precision}, but {ds_place} sets "
-                             f'"{dtype}": {{"enabled": {json.dumps(value)}}}; set it to "auto" so that the launch decides')
+                             f'"{dtype}": {{"enabled": {json.dumps(value)}}}; '
+                             'set it to "auto" so that the launch decides')
     return enabled[0] if len(enabled) == 1 else precision
 
 
@@ -443,7 +463,8 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         ("accelerate config", launch["path"] or "none: one process, as `python train.py`"),
         ("deepspeed config", ds_place or "-"),
         ("strategy", f"{strategy} ({kind}"
-                     + (f"; the yaml says {launch['yaml_distributed_type']}" if kind != launch["yaml_distributed_type"] else "")
+                     + (f"; the yaml says {launch['yaml_distributed_type']}"
+                        if kind != launch["yaml_distributed_type"] else "")
                      + f") on {devices}"),
         ("processes", f"{plural(world, 'process')} on {plural(machines, 'machine')}"
                       + (f", {world // machines} per machine" if machines > 1 else "")),

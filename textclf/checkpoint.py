@@ -398,7 +398,8 @@ def verify_files(checkpoint: str, position: dict) -> None:
                 states = load(os.path.join(checkpoint, name))  # as Accelerate reads it: weights_only
             except Exception as e:  # unpickling raises anything; all of it means "not an RNG state"
                 states = e
-            if not (isinstance(states, dict) and {"random_state", "numpy_random_seed", "torch_manual_seed"} <= states.keys()):
+            rng_keys = {"random_state", "numpy_random_seed", "torch_manual_seed"}
+            if not (isinstance(states, dict) and rng_keys <= states.keys()):
                 problems.append(f"{name} does not load as rank {rank}'s RNG state")
     if problems:
         raise InputError("\n".join(f"cannot resume from {checkpoint}: {problem}; resume from another checkpoint "

@@ -24,7 +24,6 @@ from transformers import HfArgumentParser
 
 from .errors import InputError
 
-
 # Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task
 # with (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, appendix A.3:
 # 5e-5, 3e-5, 2e-5) and the full fine-tuning recipes of huggingface/alignment-handbook (zephyr-7b-beta

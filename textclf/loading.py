@@ -22,8 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from .checkpoint import (FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position,
-                         verify_checkpoint)
+from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position, verify_checkpoint
 from .errors import InputError
 from .modeling import apply_lora, needs_remote_code, pickled_weights
 

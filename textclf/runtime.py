@@ -1,9 +1,9 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
-import copy
-import json
 import contextlib
+import copy
 import io
+import json
 import logging
 import os
 import platform
