@@ -40,7 +40,7 @@ def test_booleans_parse_both_ways():
     (["--early_stopping_patience", "3", "--eval_steps", "10"], "early_stopping_patience needs --load_best_model_at_end"),
     (["--eval_strategy", "sometimes"], "invalid choice: 'sometimes'"),
     (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
-    (["--warmup_steps", "-1"], "warmup_steps and dataloader_num_workers must be 0 or more"),
+    (["--warmup_steps", "-1"], "warmup_steps must be 0 or more, got -1"),
     (["--delimiter", "ab"], "delimiter must be one character, got 'ab'"),
 ])
 def test_bad_values_are_refused_with_the_reason(argv, message):

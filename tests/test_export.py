@@ -150,7 +150,9 @@ def test_an_existing_target_is_refused_unless_overwrite(tiny_model, tmp_path):
                    f"{target} already exists; choose another target or pass --overwrite")
     assert os.listdir(target) == ["keep.txt"]
 
-    run_module("textclf.export", [tiny_model, target, "--overwrite"])
+    from textclf.export import main
+
+    main([str(tiny_model), str(target), "--overwrite"])
     assert "keep.txt" not in os.listdir(target)
     original, replaced = load_file(tiny_model / "model.safetensors"), load_file(target / "model.safetensors")
     assert all(torch.equal(original[name], replaced[name]) for name in original)

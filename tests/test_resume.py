@@ -185,7 +185,8 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tmp_p
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr[-3000:]
     last = max(losses(out))
-    assert f"stopped by SIGTERM at step {last}; continue with: --resume {out / f'step_{last}'}" in stdout
+    assert f"stopped by a signal to another rank at step {last}; continue with: --resume {out / f'step_{last}'}" \
+        in stdout
     assert (out / f"step_{last}" / "position.json").exists() and last < 30
     assert not (out / "model").exists()
     train([*run, "--output_dir", tmp_path / "resumed", "--resume", out / f"step_{last}"], config_file=CPU_YAML)
@@ -302,12 +303,15 @@ BAD_RESUMES = {
     "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
                              "made with gradient_accumulation_steps = 1, this run has 2"),
     "changed world size": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(world_size=2)), [],
-                           "made with number of processes = 2, this run has 1"),
+                           "made by a launch with number of processes 2 (this launch: 1); resume it with "
+                           "accelerate launch"),
     "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
-                         "made with DeepSpeed ZeRO stage = 2, this run has None"),
+                         "made by a launch with DeepSpeed ZeRO stage 2 (this launch: None); resume it with "
+                         "accelerate launch --config_file accelerate_configs/zero2.yaml"),
     # as a launch under ddp_bf16.yaml would set it, where the config's own field stays unset
     "changed precision": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(mixed_precision="bf16")), [],
-                          "made with precision (mixed_precision) = bf16, this run has no"),
+                          "made by a launch with precision (mixed_precision) bf16 (this launch: no); resume it "
+                          "with python train.py --mixed_precision bf16 --resume"),
 }
 
 
@@ -424,7 +428,7 @@ def fake_checkpoint(folder, **made_with):
 
 MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "learning_rate": 0.002,
              "max_length": 24, "text_column": "comment", "label_column": "sentiment", "logging_steps": 1,
-             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": "none"}
+             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": ["none"]}
 
 
 def test_resume_by_path_alone_takes_the_checkpoint_s_config_and_folder(tmp_path):

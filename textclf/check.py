@@ -24,17 +24,8 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-import torch
-
 from .config import TrainConfig, parse_config
-from .errors import InputError
-from .job import load_data
-from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
-                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
-from .runtime import COMPILE_REFUSED, check_deepspeed_config, zero_offload
-from .task import Task
-from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
-                     framework_buffer_bytes, model_state_bytes)
+from .errors import InputError, run_command
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -59,6 +50,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     except argparse.ArgumentError as e:
         raise InputError(str(e)) from None
     return args, parse_config(training_args)
+
+
+if __name__ == "__main__":
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below.
+    PARSED = run_command(lambda: parse_args(sys.argv[1:]))
+
+import torch
+
+from .job import load_data
+from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
+                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
+from .runtime import COMPILE_REFUSED, check_deepspeed_config, fewer_processes, zero_offload
+from .task import Task
+from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
+                     framework_buffer_bytes, model_state_bytes)
+
 
 
 def read_launch(args: argparse.Namespace) -> dict:
@@ -249,11 +256,9 @@ def check_topology(launch: dict, conflicts: list[str]) -> None:
     """The yaml mistakes that make `accelerate launch` start something other than what it says."""
     path, kind = launch["path"], launch["yaml_distributed_type"]
     processes, machines = launch["num_processes"], launch["num_machines"]
-    if processes < launch["requested_processes"]:
-        conflicts.append(f"{path or 'the launch'}: distributed_type {kind} starts a single process"
-                         f"{' without mpirun' if kind == 'MULTI_CPU' else ''}, not the {launch['requested_processes']} "
-                         "asked for; for several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU "
-                         "(train.py uses gloo there), or --multi_gpu on the launch line")
+    shortfall = fewer_processes(processes, launch["requested_processes"], kind, path)
+    if shortfall:
+        conflicts.append(shortfall)
     if processes % machines:
         conflicts.append(f"{path}: num_processes {processes} (all machines together) is not a multiple of "
                          f"num_machines {machines}")
@@ -491,9 +496,9 @@ def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, k
                  + (", checkpointed" if cfg.gradient_checkpointing else ""))]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, parsed: Optional[tuple] = None) -> int:
     try:
-        args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        args, cfg = parsed or parse_args(sys.argv[1:] if argv is None else argv)
         report, warnings, conflicts = check(args, cfg)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -508,4 +513,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parsed=PARSED))

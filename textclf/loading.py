@@ -10,7 +10,6 @@ peft's loaders, which load the base from that name; transformers does not follow
 its own config.json.)
 """
 
-import argparse
 import glob
 import json
 import os
@@ -33,15 +32,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # In an exported folder: the resolved config of the run that trained it and its data fingerprint, so that
 # predict and report know the task and columns (a checkpoint's position.json holds the same).
 TRAINING = "training.json"
-
-
-def add_loading_options(parser: argparse.ArgumentParser) -> None:
-    """What export, predict and report may load beyond plain safetensors and transformers' own classes."""
-    parser.add_argument("--allow_pickle", action="store_true",
-                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
-    parser.add_argument("--trust_remote_code", action="store_true",
-                        help="run the Python code a model folder ships for its config, model or tokenizer (its "
-                        "auto_map); without it such a folder is refused, never prompted (trusted folders only)")
 
 
 def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False):

@@ -21,9 +21,9 @@ from typing import Optional
 import numpy as np
 from datasets import ClassLabel, List, Value
 
+from .config import KINDS  # noqa: F401  (the kinds of task, where the command lines read them early)
 from .errors import InputError
 
-KINDS = ("single_label", "multi_label", "regression")
 PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
                  "regression": "regression"}
 # Each kind's scores in the order they are printed: key (logged as eval_<key>), title, whether higher is better.
@@ -265,7 +265,8 @@ class Task:
         if self.kind == "single_label":
             return f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}\t{texts}"
         if self.kind == "multi_label":
-            return f"{self.label_separator.join(row['label_names'])}\t{texts}"
+            names = self.label_separator.join(row["label_names"]) or f"(no label above {self.threshold})"
+            return f"{names}\t{texts}"
         return f"{row[SCORE]:.4f}\t{texts}"
 
 
