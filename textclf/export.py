@@ -28,7 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing target")
     parser.add_argument("--allow_pickle", action="store_true",
                         help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from .config import require_trained_model  # here: --help answers without it
+
+    require_trained_model(args.source)
+    return args
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position
+from .config import require_trained_model
 from .errors import InputError
 from .modeling import apply_lora
 
@@ -37,8 +38,7 @@ def load_trained(path: str, allow_pickle: bool = False):
     `allow_pickle` lets a DeepSpeed or FSDP-sharded checkpoint load: DeepSpeed's files and the
     metadata of FSDP's distributed checkpoint are full pickles, which can run code stored in them.
     """
-    if not os.path.isdir(path):
-        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
+    require_trained_model(path)
     if os.path.isfile(os.path.join(path, POSITION)) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
         model, tokenizer = _load_checkpoint(path, allow_pickle)
     elif glob.glob(os.path.join(path, "*.json")) or weight_files(path):

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional
 
-from .config import TrainConfig, add_task_options
+from .config import TrainConfig, add_task_options, require_trained_model
 from .errors import InputError, die_with_launcher, run_command
 
 REPORT = "report.json"
@@ -41,7 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
     parser.add_argument("--allow_pickle", action="store_true",
                         help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    require_trained_model(args.model)
+    return args
 
 
 if __name__ == "__main__":
