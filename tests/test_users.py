@@ -274,18 +274,25 @@ def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, 
     checkpoint.check_launch("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN)
 
 
-@pytest.mark.parametrize("command", ["train.py", "-m textclf.check", "-m textclf.predict", "-m textclf.report",
-                                     "-m textclf.export"])
-def test_every_command_answers_help_before_importing_torch(command):
-    """-X importtime lists every module imported: --help must be answered before torch is."""
+@pytest.mark.parametrize("command, status, said", [
+    *[(f"{command} --help", 0, "usage:") for command in ("train.py", "-m textclf.check", "-m textclf.predict",
+                                                         "-m textclf.report", "-m textclf.export")],
+    ("train.py --model ./my_modle", 2, "error: model not found: ./my_modle is a path"),
+    ("-m textclf.check --learning_rat 1", 2, "error: unknown config key(s) --learning_rat"),
+    ("-m textclf.predict --model nowhere --text 好", 2, "error: model not found: nowhere"),
+    ("-m textclf.report --model nowhere --file a.csv --output_dir r", 2, "error: model not found: nowhere"),
+    ("-m textclf.export nowhere exported", 2, "error: model not found: nowhere"),
+])
+def test_help_and_command_line_errors_answer_before_torch_is_imported(command, status, said):
+    """-X importtime lists every module imported: the answer must come before torch, datasets and accelerate."""
     import subprocess
     import sys
 
     from conftest import REPO
 
-    result = subprocess.run([sys.executable, "-X", "importtime", *command.split(), "--help"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-X", "importtime", *command.split()], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "usage:" in result.stdout
+    assert result.returncode == status and said in result.stdout + result.stderr, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "datasets", "accelerate"} & imported
 

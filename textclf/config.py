@@ -575,6 +575,12 @@ def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
     return cfg
 
 
+def require_trained_model(path: str) -> None:
+    """What predict, report and export read must be a folder: said before the heavy imports."""
+    if not os.path.isdir(path):
+        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
+
+
 def require_local_model(model: str) -> None:
     """A --model that can only be a path (a hub id is `name` or `namespace/name`) must exist: transformers would
     call it a malformed repo id."""

@@ -17,7 +17,7 @@ import shutil
 from contextlib import contextmanager
 from typing import Optional
 
-from .config import add_loading_options
+from .config import add_loading_options, require_trained_model
 from .errors import run_command
 
 
@@ -28,7 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--merge", action="store_true", help="merge LoRA adapters into a plain model")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing target")
     add_loading_options(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    require_trained_model(args.source)
+    return args
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position, verify_checkpoint
+from .config import require_trained_model
 from .errors import InputError
 from .modeling import apply_lora, needs_remote_code, pickled_weights
 
@@ -41,8 +42,7 @@ def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool 
     `trust_remote_code` lets the folder's own Python code (its config's auto_map) run; it is passed to
     transformers as False otherwise, never None, which would ask on the terminal and run the code on "y".
     """
-    if not os.path.isdir(path):
-        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
+    require_trained_model(path)
     if os.path.isfile(os.path.join(path, POSITION)) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
         model, tokenizer = _load_checkpoint(path, allow_pickle, trust_remote_code)
     elif glob.glob(os.path.join(path, "*.json")) or weight_files(path):

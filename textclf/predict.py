@@ -19,7 +19,7 @@ import json
 import os
 from typing import Optional
 
-from .config import TrainConfig, add_loading_options, add_task_options
+from .config import TrainConfig, add_loading_options, add_task_options, require_trained_model
 from .errors import InputError, die_with_launcher, run_command
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
@@ -43,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.output and not args.output.endswith(OUTPUT_FORMATS):
         raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
+    require_trained_model(args.model)
     return args
 
 

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional
 
-from .config import TrainConfig, add_loading_options, add_task_options
+from .config import TrainConfig, add_loading_options, add_task_options, require_trained_model
 from .errors import InputError, die_with_launcher, run_command
 
 REPORT = "report.json"
@@ -40,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no_baseline", action="store_true", help="leave the TF-IDF + linear baseline out")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
     add_loading_options(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    require_trained_model(args.model)
+    return args
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from datasets import ClassLabel, List, Value
 
 from .config import KINDS  # noqa: F401  (the kinds of task, where the command lines read them early)
 from .errors import InputError
@@ -164,6 +163,8 @@ class Task:
 
     def encode_labels(self, labels: list, names: list[str], path: str):
         """(the `labels` column the model's loss takes, its feature): class ids, multi-hot floats, or floats."""
+        from datasets import ClassLabel, List, Value  # here: the command line reads this module before `datasets`
+
         if self.kind == "regression":
             return labels, Value("float32")
         seen = {str(label) for label in labels} if self.kind == "single_label" else {n for ns in labels for n in ns}
