@@ -101,6 +101,11 @@ class TrainConfig:
         default=0.1, metadata={"help": "Fraction of `data` held out when `eval_data` is not given."}
     )
     max_length: int = field(default=128, metadata={"help": "Texts are truncated to this many tokens."})
+    tokenizer_sample: int = field(
+        default=100_000,
+        metadata={"help": "scratch models: the tokenizer is learnt from this many training examples, drawn with "
+                  "--seed (0: from all of them); a sample this size finds the same frequent tokens in less time."},
+    )
     group_by_length: bool = field(
         default=True,
         metadata={"help": "Batch texts of similar length together (less padding, same order for a "
@@ -274,8 +279,8 @@ class TrainConfig:
             raise InputError("learning_rate and num_train_epochs must be positive")
         if not 0 <= self.warmup_ratio < 1:
             raise InputError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.warmup_steps < 0 or self.dataloader_num_workers < 0:
-            raise InputError("warmup_steps and dataloader_num_workers must be 0 or more")
+        if self.warmup_steps < 0 or self.dataloader_num_workers < 0 or self.tokenizer_sample < 0:
+            raise InputError("warmup_steps, dataloader_num_workers and tokenizer_sample must be 0 or more")
         if not 0 < self.eval_split < 1:
             raise InputError(f"eval_split must be in (0, 1), got {self.eval_split}")
         if self.delimiter is not None:

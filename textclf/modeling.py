@@ -4,6 +4,7 @@ texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `
 import os
 import pickle
 import shutil
+import time
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
+from .data import say
 from .errors import InputError
 
 # Sizes of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
@@ -86,10 +88,10 @@ def pickled_weights(folder: str) -> InputError:
                       "(save_pretrained does by default)")
 
 
-def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_length: int,
+def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length: int,
                   trust_remote_code: bool = False):
-    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from the training texts
-    and cached.
+    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from `texts` (strings or
+    batches of them) and cached under `texts_key`, which names those texts (data.sample_key).
 
     Call it on the local main process first: the others then find the cached one.
     """
@@ -102,9 +104,13 @@ def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_
                 raise needs_remote_code(model) from None
             raise InputError(f"cannot load a tokenizer from '{model}': {str(e).splitlines()[0]}") from None
         return with_pad_token(tokenizer, model)
-    folder = scratch_tokenizer_folder(cache_dir, data_fingerprint)
+    folder = scratch_tokenizer_folder(cache_dir, texts_key)
     if not os.path.isdir(folder):
+        start = time.perf_counter()
         train_tokenizer(texts, folder)
+        say(f"data: learnt a tokenizer in {time.perf_counter() - start:.1f} s, cached in {folder}")
+    else:
+        say(f"data: tokenizer from the cache, {folder}")
     return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
 
 
@@ -123,9 +129,9 @@ def with_pad_token(tokenizer: PreTrainedTokenizerBase, model: str) -> PreTrained
     return tokenizer
 
 
-def scratch_tokenizer_folder(cache_dir: str, data_fingerprint: str) -> str:
-    """Where the tokenizer learnt from the training data with this fingerprint is cached."""
-    return os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{data_fingerprint}-{SCRATCH_VOCAB_SIZE}")
+def scratch_tokenizer_folder(cache_dir: str, texts_key: str) -> str:
+    """Where the tokenizer learnt from the texts named by `texts_key` (data.sample_key) is cached."""
+    return os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{texts_key}-{SCRATCH_VOCAB_SIZE}")
 
 
 def train_tokenizer(texts, folder: str) -> None:
