@@ -296,16 +296,15 @@ def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     table = table.select_columns(columns)
 
     def cleaned(batch, indices):
-        return {**{name: [clean_text(text) for text in batch[column]] for name, column in texts.items()},
-                "label": batch[task.label_column], "row": [index + 1 for index in indices]}
+        rows = {name: [clean_text(text) for text in batch[column]] for name, column in texts.items()}
+        rows.update(label=batch[task.label_column], row=[index + 1 for index in indices])
+        keep = [i for i, row_texts in enumerate(zip(*(rows[name] for name in texts))) if all(row_texts)]
+        return {name: [values[i] for i in keep] for name, values in rows.items()}
 
-    def has_text(batch):
-        return [all(row) for row in zip(*(batch[name] for name in texts))]
-
-    # Batched: a call per row costs more than the cleaning itself at a million rows.
-    table = table.map(cleaned, batched=True, with_indices=True,
-                      remove_columns=[c for c in columns if c not in (*texts, "label")])
-    kept = table.filter(has_text, batched=True)
+    # Batched, and dropping empty texts in the same pass: a call per row costs more than the cleaning itself at a
+    # million rows, and `filter` would leave an indices mapping that every later change of columns rewrites.
+    kept = table.map(cleaned, batched=True, with_indices=True,
+                     remove_columns=[c for c in columns if c not in (*texts, "label")])
     if len(kept) < len(table):
         print(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
     if len(kept) == 0:
