@@ -4,7 +4,7 @@ caches (a second run is a hit, a changed file is never served stale), and the li
 import datasets
 import pytest
 
-from conftest import TINY, read_csv, write_csv
+from conftest import TINY, read_csv, train_forked, write_csv
 from textclf.config import parse_config
 from textclf.data import sample_key, text_sample, tokenizing_processes
 from textclf.errors import InputError
@@ -92,3 +92,13 @@ def test_load_data_reads_the_same_examples_as_before(tmp_path, reviews_csv):
     rows = read_csv(reviews_csv)
     assert len(train_set) + len(eval_set) == len(rows) and sorted(names) == ["negative", "positive"]
     assert set(train_set["text"]) | set(eval_set["text"]) == {row["review"].strip() for row in rows}
+
+
+@pytest.mark.slow
+def test_under_two_processes_rank_0_shows_the_data_stages_and_the_other_says_it_waits(tmp_path, reviews_csv):
+    result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", tmp_path / "cache", "--max_steps", "1",
+                           "--output_dir", tmp_path / "run"])
+    for stage, lines in (("data: read", 1), ("data: labels and split", 1), ("data: learnt a tokenizer", 1),
+                         ("data: tokenized", 2)):  # the training and the evaluation examples
+        assert result.stdout.count(stage) == lines, stage
+    assert result.stdout.count("waiting for the local main process") == 1

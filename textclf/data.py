@@ -420,9 +420,11 @@ def tokenizing_processes(rows: int) -> Optional[int]:
 ROWS_PER_TOKENIZING_PROCESS = 20_000
 
 
-def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, num_proc=None) -> Dataset:
+def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, num_proc=None,
+             show_progress: bool = False) -> Dataset:
     """Token ids plus each example's length, a pair's as one sequence (`tokenizer(text, text_pair)`, truncated
-    longest first); `datasets` caches the result on disk between runs."""
+    longest first); `datasets` caches the result on disk between runs. `show_progress`: a bar and a line
+    from the local main process."""
 
     def encode(batch):
         encoded = tokenizer(batch["text"], batch.get("text_pair"), truncation=True, max_length=max_length)
@@ -430,7 +432,7 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
         return encoded
 
     start, started = time.perf_counter(), time.time()
-    bar = PartialState().is_local_main_process and not datasets.is_progress_bar_enabled()
+    bar = show_progress and PartialState().is_local_main_process and not datasets.is_progress_bar_enabled()
     if bar:
         datasets.enable_progress_bars()
     try:
@@ -440,9 +442,9 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
         if bar:
             datasets.disable_progress_bars()
     files = [file["filename"] for file in tokenized.cache_files]
-    if files and all(os.path.getmtime(file) < started for file in files):
+    if show_progress and files and all(os.path.getmtime(file) < started for file in files):
         say(f"data: {len(table):,} examples tokenized before, from the cache ({os.path.dirname(files[0])})")
-    else:
+    elif show_progress:
         say(f"data: tokenized {len(table):,} examples in {time.perf_counter() - start:.1f} s"
             + (f", cached in {os.path.dirname(files[0])}" if files else ""))
     return tokenized

@@ -48,8 +48,8 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
         texts = text_sample(train_set, cfg.tokenizer_sample, cfg.seed)
         texts_key = sample_key(data_fingerprint, len(train_set), cfg.tokenizer_sample, cfg.seed)
         tokenizer = get_tokenizer(cfg.model, texts, cfg.cache_dir, texts_key, cfg.max_length, cfg.trust_remote_code)
-        train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length, num_proc=tokenizing_processes(len(split)))
-                               for split in (train_set, eval_set))
+        train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length, num_proc=tokenizing_processes(len(split)),
+                                        show_progress=True) for split in (train_set, eval_set))
     model = build_model(cfg.model, tokenizer, label_names, cfg.max_length,
                         problem_type=Task.from_config(cfg).problem_type, config=config, torch_dtype=cfg.torch_dtype,
                         gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
