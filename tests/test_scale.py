@@ -64,7 +64,7 @@ def test_a_second_run_is_a_cache_hit_and_a_changed_file_never_stale(tmp_path, re
 
     again, same_folder = run_data(data, cache, "--tokenizer_sample", "100")
     printed = capsys.readouterr().out
-    assert same_folder == folder and "data: tokenizer from the cache" in printed
+    assert same_folder == folder and "tokens from the cache" in printed
     assert "tokenized before, from the cache" in printed
     assert again["input_ids"] == first["input_ids"]
 

@@ -105,13 +105,16 @@ def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length:
             raise InputError(f"cannot load a tokenizer from '{model}': {str(e).splitlines()[0]}") from None
         return with_pad_token(tokenizer, model)
     folder = scratch_tokenizer_folder(cache_dir, texts_key)
-    if not os.path.isdir(folder):
-        start = time.perf_counter()
+    start, learnt = time.perf_counter(), not os.path.isdir(folder)
+    if learnt:
         train_tokenizer(texts, folder)
-        say(f"data: learnt a tokenizer in {time.perf_counter() - start:.1f} s, cached in {folder}")
+    tokenizer = BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+    if learnt:
+        say(f"data: learnt a tokenizer of {len(tokenizer):,} tokens in {time.perf_counter() - start:.1f} s, cached "
+            f"in {folder}")
     else:
-        say(f"data: tokenizer from the cache, {folder}")
-    return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+        say(f"data: a tokenizer of {len(tokenizer):,} tokens from the cache, {folder}")
+    return tokenizer
 
 
 def with_pad_token(tokenizer: PreTrainedTokenizerBase, model: str) -> PreTrainedTokenizerBase:
