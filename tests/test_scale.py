@@ -1,10 +1,15 @@
 """Data at scale, kept honest on small data: the tokenizer's sample (seeded, bounded, the same twice), the
 caches (a second run is a hit, a changed file is never served stale), and the lines that show progress."""
 
+import json
+import os
+import subprocess
+import sys
+
 import datasets
 import pytest
 
-from conftest import TINY, read_csv, train_forked, write_csv
+from conftest import OFFLINE, REPO, TINY, read_csv, train_forked, write_csv
 from textclf.config import parse_config
 from textclf.data import sample_key, text_sample, tokenizing_processes
 from textclf.errors import InputError
@@ -102,3 +107,18 @@ def test_under_two_processes_rank_0_shows_the_data_stages_and_the_other_says_it_
                          ("data: tokenized", 2)):  # the training and the evaluation examples
         assert result.stdout.count(stage) == lines, stage
     assert result.stdout.count("waiting for the local main process") == 1
+
+
+@pytest.mark.slow
+def test_the_data_stage_benchmark_writes_its_table(tmp_path, reviews_csv):
+    result = subprocess.run([sys.executable, "-m", "benchmarks.data_stage", "--data", str(reviews_csv), "--rows",
+                             "300,600", "--output_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                            timeout=1800, env={**os.environ, **OFFLINE})
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    rows = json.loads((tmp_path / "data_stage.json").read_text(encoding="utf-8"))
+    assert [(row["rows"], row["run"]) for row in rows] == [(300, "first"), (300, "second"), (600, "first"),
+                                                           (600, "second")]
+    assert all(0 < row["first_step_s"] < row["wall_s"] and row["peak_rss_mb"] > 0 for row in rows)
+    assert "| 600 | warm (second run) |" in (tmp_path / "data_stage.md").read_text(encoding="utf-8")
+    second = (tmp_path / "rows_600" / "console_second.txt").read_text(encoding="utf-8")
+    assert "tokenized before, from the cache" in second  # the second run is a cache hit
