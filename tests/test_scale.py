@@ -86,7 +86,7 @@ def test_a_second_run_is_a_cache_hit_and_a_changed_file_never_stale(tmp_path, re
 
 
 def test_the_sample_size_is_checked_and_recorded_in_the_config():
-    with pytest.raises(InputError, match="tokenizer_sample must be 0 or more"):
+    with pytest.raises(InputError, match=r"tokenizer_sample must be 0 \(every example\) or more, got -1"):
         parse_config(["--tokenizer_sample", "-1"])
     assert parse_config([]).to_dict()["tokenizer_sample"] == 100_000
 

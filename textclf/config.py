@@ -279,8 +279,10 @@ class TrainConfig:
             raise InputError("learning_rate and num_train_epochs must be positive")
         if not 0 <= self.warmup_ratio < 1:
             raise InputError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.warmup_steps < 0 or self.dataloader_num_workers < 0 or self.tokenizer_sample < 0:
-            raise InputError("warmup_steps, dataloader_num_workers and tokenizer_sample must be 0 or more")
+        if self.warmup_steps < 0 or self.dataloader_num_workers < 0:
+            raise InputError("warmup_steps and dataloader_num_workers must be 0 or more")
+        if self.tokenizer_sample < 0:
+            raise InputError(f"tokenizer_sample must be 0 (every example) or more, got {self.tokenizer_sample}")
         if not 0 < self.eval_split < 1:
             raise InputError(f"eval_split must be in (0, 1), got {self.eval_split}")
         if self.delimiter is not None:
