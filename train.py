@@ -22,7 +22,6 @@ if __name__ == "__main__":
 import math
 import os
 import signal
-import threading
 
 import torch
 from accelerate.utils import DistributedType, set_seed
@@ -35,7 +34,7 @@ from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator
+from textclf.runtime import describe, exit_finished_run, launch_shortfall, make_accelerator
 from textclf.task import Task
 
 
@@ -46,7 +45,14 @@ def main(cfg: TrainConfig) -> None:
     accelerator.print(" | ".join(f"{k}: {run[k]}" for k in ("distributed_type", "num_processes", "mixed_precision",
                                                             "zero_stage", "device", "micro_batch_size",
                                                             "global_batch_size")))
+    if accelerator.is_main_process and (shortfall := launch_shortfall(accelerator.num_processes)):
+        print(f"warning: {shortfall}")  # the launch asked for more processes than it started: said, not refused
     set_seed(cfg.seed)
+    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
+    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    if resume_from:  # a launch that cannot resume it is told so before the data is read, with the one that can
+        position = checkpoint.read_verified_position(resume_from)
+        checkpoint.check_launch(resume_from, position, run)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
@@ -57,10 +63,7 @@ def main(cfg: TrainConfig) -> None:
 
     # Where this run starts: step 0, or a checkpoint made by the same kind of run.
     identity = checkpoint.identity(cfg, run, data_fingerprint)
-    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
-    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:
-        position = checkpoint.read_verified_position(resume_from)
         checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
     best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
     if best and cfg.load_best_model_at_end:
@@ -81,6 +84,10 @@ def main(cfg: TrainConfig) -> None:
         checkpoint.check_resume(accelerator, resume_from, position, total_steps=total_steps,
                                 steps_per_epoch=steps_per_epoch, batches_per_epoch=batches_per_epoch,
                                 gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        if position["step"] == total_steps:
+            accelerator.print(f"{resume_from} is the end of this run (step {total_steps}): nothing left to train; "
+                              "evaluating and exporting it again. To train longer, pass a larger --max_steps or "
+                              "--num_train_epochs")
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
@@ -102,8 +109,22 @@ def main(cfg: TrainConfig) -> None:
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
     tracking.start_trackers(accelerator, cfg.to_dict())
-    stop_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+    # SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
+    # the next logging step, then a clean stop; a second Ctrl-C stops at once, without one.
+    stop_requested = []  # the names of the signals received
+
+    def request_stop(signum, _frame):
+        stop_requested.append(signal.Signals(signum).name)
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if accelerator.is_local_main_process and len(stop_requested) == 1:
+            again = "; Ctrl-C again stops at once, without it" if signum == signal.SIGINT else ""
+            # os.write, not print: the signal may have interrupted a print, which must not be re-entered.
+            os.write(2, f"\n{stop_requested[0]}: saving a checkpoint at the next logging step (--logging_steps "
+                        f"{cfg.logging_steps}), then stopping{again}\n".encode())
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, request_stop)
 
     def describe_model(folder):
         """What export needs besides the weights: the model's config (with id2label) and tokenizer."""
@@ -159,7 +180,7 @@ def main(cfg: TrainConfig) -> None:
                 window = tracking.Window()
                 # All ranks agree here whether any was asked to stop: asking waits for the device, as
                 # logging does, so a step between two log lines never waits for it.
-                if stop_requested.is_set():
+                if stop_requested:
                     accelerator.set_trigger()
                 stopping = accelerator.check_trigger()
             metrics = {}
@@ -177,7 +198,9 @@ def main(cfg: TrainConfig) -> None:
             if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping:
                 path = save(step, epoch, batch_in_epoch, metrics, window)
             if stopping:
-                accelerator.print(f"stopped by SIGTERM at step {step}; continue with: --resume {path}")
+                progress.close()  # the bar's line ends first: the --resume line is one of its own
+                stopped_by = stop_requested[0] if stop_requested else "a signal to another rank"
+                accelerator.print(f"stopped by {stopped_by} at step {step}; continue with: --resume {path}")
                 accelerator.end_training()
                 return
             if step >= total_steps:

@@ -43,8 +43,17 @@ from textclf.config import TrainConfig
 from textclf.data import DEFAULT_DATA
 from textclf.errors import run_command
 
-from .measure import (describe_machine, epoch_padding, job_data, limit_of, matmul_limit, median_run, prepare_job,
-                      run_row, warm_deepspeed_ops)
+from .measure import (
+    describe_machine,
+    epoch_padding,
+    job_data,
+    limit_of,
+    matmul_limit,
+    median_run,
+    prepare_job,
+    run_row,
+    warm_deepspeed_ops,
+)
 from .plan import OFFLINE, REPO, plan_jobs, plan_rows, rounds_dirs
 from .report import write_report
 

@@ -158,6 +158,19 @@ def assert_refused(result, message):
     assert "Traceback" not in result.stderr
 
 
+def refusal(main, args) -> str:
+    """The InputError a command's `main(argv)` raises for `args` in this process: one line (asserted), returned.
+    What the command then prints and exits with is run_command's, checked by a few subprocess tests per command
+    (assert_refused)."""
+    from textclf.errors import InputError
+
+    with pytest.raises(InputError) as refused:
+        main(list(map(str, args)))
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
 def read_log(output_dir) -> list[dict]:
     with open(Path(output_dir) / "log.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -322,7 +335,8 @@ def family_model(tmp_path_factory, reviews_csv):
 
 # --- pipeline() on an exported folder, as a user runs it -------------------------------------------------
 
-PROBE_TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣", "还行",
+PROBE_TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来", "客服态度恶劣",
+               "还行",
                "Great value, would buy again.", "物流快 👍"]
 
 

@@ -1,5 +1,5 @@
 """train.py's ranks forked from a process that has already imported torch, transformers, accelerate and
-DeepSpeed: a 2-process run without paying the imports (12-14 s per process on 2 cores) at every launch.
+DeepSpeed: a 2-process run without paying every process's imports at every launch (docs/development.md).
 
 The environment each rank gets is the one `accelerate launch --config_file <zoo file>` gives it: accelerate's
 own launch code reads the config file and writes its settings as ACCELERATE_* variables
@@ -7,8 +7,8 @@ own launch code reads the config file and writes its settings as ACCELERATE_* va
 here. What this does not test is the launcher itself: a few tests per zoo file still run `accelerate launch`.
 
 The ranks come from a fork server (multiprocessing's "forkserver", which imports PRELOADED once per test
-process) rather than from the test process: a process forked after torch has run an operation or gloo has
-started its threads may hang, and the test process has done both.
+process) rather than from the test process: a process forked after torch has started its thread pools (or
+gloo its threads) may hang in them, and the test process runs torch itself.
 """
 
 import atexit
@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 # What a rank of train.py imports; `train` is train.py imported as a module (its launch code is under
 # `if __name__ == "__main__"`).
 PRELOADED = ["forked", "train", "deepspeed", "torch.distributed.run"]
+# How long the other ranks of a failed run get to end after SIGTERM: one waiting in a collective for the
+# failed rank never does. torchrun's own grace period.
+STOP_GRACE_S = 30
 
 
 def launch_env(config_file, num_processes: int, port: int, launch_args=()) -> dict[str, str]:
@@ -107,11 +110,13 @@ def run_forked(args, num_processes, config_file, launch_args=(), env=None, timeo
     while any(process.exitcode is None for process in ranks):
         if failed is None:
             failed = next((process for process in ranks if process.exitcode not in (None, 0)), None)
-            for process in ranks if failed else ():
-                if process.exitcode is None:
-                    os.kill(process.pid, signal.SIGTERM)
+            if failed:  # as torchrun does: SIGTERM to the others, SIGKILL to those still there after a while
+                deadline = min(deadline, time.monotonic() + STOP_GRACE_S)
+                for process in ranks:
+                    if process.exitcode is None:
+                        os.kill(process.pid, signal.SIGTERM)
         if not timed_out and time.monotonic() > deadline:
-            timed_out = True
+            timed_out = failed is None
             for process in ranks:
                 process.kill()
         time.sleep(0.1)

@@ -145,8 +145,9 @@ def test_the_plain_loop_autocasts_in_bf16_when_asked(tmp_path, reviews_csv, cach
 
 
     def plain_loop(out, *extra):
-        subprocess.run([sys.executable, "-m", "benchmarks.baselines", "plain_pytorch", *TINY, "--data", str(reviews_csv),
-                        "--cache_dir", str(cache_dir), "--max_steps", "3", "--output_dir", str(out), *extra],
+        subprocess.run([sys.executable, "-m", "benchmarks.baselines", "plain_pytorch", *TINY,
+                        "--data", str(reviews_csv), "--cache_dir", str(cache_dir), "--max_steps", "3",
+                        "--output_dir", str(out), *extra],
                        cwd=REPO, check=True, capture_output=True, timeout=600, env={**os.environ, **OFFLINE})
         return losses(out)
 
@@ -158,7 +159,8 @@ def test_the_plain_loop_autocasts_in_bf16_when_asked(tmp_path, reviews_csv, cach
 def test_the_decoder_job_reads_the_check_s_figures():
     from benchmarks.decoder import check_figure
 
-    output = "model states (ZeRO paper)\nmemory per rank     3.70 GiB\npeak per rank       812.5 MiB  (activations ...)\n"
+    output = ("model states (ZeRO paper)\nmemory per rank     3.70 GiB\n"
+              "peak per rank       812.5 MiB  (activations ...)\n")
     assert check_figure("memory per rank", output) == 3.7
     assert check_figure("peak per rank", output) == 0.79
     assert check_figure("peak per rank", "error: ...") is None

@@ -7,7 +7,6 @@ import pytest
 
 from conftest import TINY, read_log, run_train
 from textclf.cadence import due, find_best_checkpoint, load_best, patience_ran_out, track_best
-from textclf.checkpoint import complete
 
 
 def test_strategies_count_optimizer_steps_and_epochs():
@@ -34,6 +33,8 @@ def test_load_best_puts_the_best_checkpoint_s_weights_back_and_records_its_step(
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    from textclf.checkpoint import complete
+
     accelerator = Accelerator(cpu=True)
     try:
         model = accelerator.prepare(torch.nn.Linear(3, 2))
@@ -43,7 +44,7 @@ def test_load_best_puts_the_best_checkpoint_s_weights_back_and_records_its_step(
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        complete(str(tmp_path / "step_2"), {"step": 2})  # position.json as save_checkpoint seals it
+        complete(str(tmp_path / "step_2"), {"step": 2})  # position.json with the files' sha256, as a save writes it
         best = {"step": 2, "value": 0.9, "metrics": {"eval_f1": 0.9, "eval_accuracy": 0.8},
                 "checkpoint": "/where/it/was/saved/step_2", "evaluations_without_improvement": 2}
         assert load_best(accelerator, best, 4, str(tmp_path)) == best["metrics"]

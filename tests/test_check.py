@@ -94,9 +94,10 @@ def test_every_shipped_config_passes_the_check_and_starts_with_its_launch_line(c
     expected = yaml.safe_load(path.read_text())
     assert shown["processes"].startswith(f"{expected['num_processes']} process")
     # What train.py will report in run.json: without CUDA a MULTI_GPU launch forms a gloo group, MULTI_CPU.
-    runs = "MULTI_CPU" if target == "cpu" and expected["distributed_type"] == "MULTI_GPU" else expected["distributed_type"]
+    yaml_type = expected["distributed_type"]
+    runs = "MULTI_CPU" if target == "cpu" and yaml_type == "MULTI_GPU" else yaml_type
     assert shown["strategy"].split(" on ")[0].endswith(
-        f"({runs})" if runs == expected["distributed_type"] else f"({runs}; the yaml says {expected['distributed_type']})")
+        f"({runs})" if runs == yaml_type else f"({runs}; the yaml says {yaml_type})")
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
@@ -453,7 +454,8 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
     if processes > ran["num_processes"]:  # asked for 2, the launch starts 1: the check says so
         assert status == 1 and "starts a single process, not the 2 asked for" in " ".join(conflicts(err))
     # The user's default config (no --config_file) resolves the same way.
-    default = subprocess.run([sys.executable, "-m", "textclf.check", "--num_processes", str(processes), *map(str, TINY)],
+    default = subprocess.run([sys.executable, "-m", "textclf.check", "--num_processes", str(processes),
+                              *map(str, TINY)],
                              cwd=REPO, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "HF_HOME": str(accelerate_home)})
     assert report(default.stdout)["processes"] == shown["processes"]

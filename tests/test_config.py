@@ -37,10 +37,11 @@ def test_booleans_parse_both_ways():
      "--eval_strategy and --eval_steps (now evaluating every 10 steps, saving every 20 steps)"),
     (["--load_best_model_at_end", "--eval_strategy", "epoch"], "(now evaluating every epoch, saving every 500 steps)"),
     (["--load_best_model_at_end"], "(now evaluating never, saving every 500 steps)"),
-    (["--early_stopping_patience", "3", "--eval_steps", "10"], "early_stopping_patience needs --load_best_model_at_end"),
+    (["--early_stopping_patience", "3", "--eval_steps", "10"],
+     "early_stopping_patience needs --load_best_model_at_end"),
     (["--eval_strategy", "sometimes"], "invalid choice: 'sometimes'"),
     (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
-    (["--warmup_steps", "-1"], "warmup_steps and dataloader_num_workers must be 0 or more"),
+    (["--warmup_steps", "-1"], "warmup_steps must be 0 or more, got -1"),
     (["--delimiter", "ab"], "delimiter must be one character, got 'ab'"),
 ])
 def test_bad_values_are_refused_with_the_reason(argv, message):
@@ -102,7 +103,8 @@ def test_unknown_flags_suggest_the_closest_known_name(argv, suggestion):
 def test_an_unknown_recipe_key_gets_a_suggestion_too(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lr: 0.001\n")
-    with pytest.raises(InputError, match=r"unknown config key\(s\) lr in .*recipe.yaml \(did you mean learning_rate\?\)"):
+    with pytest.raises(InputError,
+                       match=r"unknown config key\(s\) lr in .*recipe.yaml \(did you mean learning_rate\?\)"):
         parse_config(["--config", str(recipe)])
 
 
@@ -117,7 +119,8 @@ def help_text():
 
 
 def test_help_groups_the_options_and_lists_the_recipe(help_text):
-    sections = [line[:-1] for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    sections = [line[:-1] for line in help_text.splitlines()
+                if line and not line.startswith(" ") and line.endswith(":")]
     assert sections == ["options", "model", "data", "task", "optimisation", "LoRA", "evaluation and checkpoints",
                         "logging"]
     assert "--config RECIPE.yaml" in help_text

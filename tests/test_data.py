@@ -95,7 +95,8 @@ UNREADABLE = {
     "too many fields": ("fields.csv", b"label,review\npositive,good\nnegative,bad, really bad\n", {},
                         "cannot parse {path} as delimited text (delimiter ','): line 3 has 3 fields where the lines "
                         "before have 2; quote fields that contain the delimiter"),
-    "tab-separated text read as csv": ("tabs.csv", "label\treview\npositive\t好，很好\nnegative\t差,很差\n".encode(), {},
+    "tab-separated text read as csv": ("tabs.csv",
+                                       "label\treview\npositive\t好，很好\nnegative\t差,很差\n".encode(), {},
                                        "line 3 has 2 fields where the lines before have 1; quote fields that contain "
                                        "the delimiter (\"a,b\"), or pass the file's delimiter with --delimiter "
                                        "(e.g. --delimiter '\\t')"),

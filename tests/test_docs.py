@@ -114,7 +114,8 @@ def missing_lines(shown: list[str], printed: str) -> list[str]:
         if line.strip() in ("", "...") or line.startswith(" "):
             continue
         label = re.split(r"\s{2,}", line)[0]
-        wanted = (lambda got: re.match(re.escape(label) + r"\s{2,}", got)) if label != line else (lambda got: got == line)
+        wanted = ((lambda got: re.match(re.escape(label) + r"\s{2,}", got)) if label != line
+                  else (lambda got: got == line))
         if not any(wanted(got) for got in printed_lines):
             missing.append(line)
     return missing

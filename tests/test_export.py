@@ -14,22 +14,23 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, pipeline
 
-from conftest import REPO, TINY, assert_refused, run_module, run_train
+from conftest import REPO, TINY, assert_refused, refusal, run_module, train_forked
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, reviews_csv, cache_dir):
-    """`trained_run(strategy)`: the output_dir of a 2-process run, trained once per strategy and module."""
+    """`trained_run(strategy)`: the output_dir of a 2-process run (forked: tests/test_zoo.py launches each zoo
+    file for real), trained once per strategy and module."""
     runs = {}
 
     def get(strategy):
         if strategy not in runs:
             out = tmp_path_factory.mktemp(strategy)
-            run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
-                       "--max_steps", 2, "--save_steps", 1],
-                      config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+            train_forked([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
+                          "--max_steps", 2, "--save_steps", 1],
+                         config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
             runs[strategy] = out
         return runs[strategy]
 
@@ -88,12 +89,15 @@ def test_checkpoint_export_is_a_complete_folder_that_loads_in_a_pipeline(strateg
     assert not [name for name in os.listdir(tmp_path) if "incomplete" in name]
 
 
-@pytest.mark.slow
 def test_deepspeed_checkpoints_are_pickles_and_need_allow_pickle(trained_run, tmp_path):
-    result = run_module("textclf.export", [trained_run("zero2") / "step_2", tmp_path / "x"], check=False)
-    assert result.returncode == 2
-    assert "error: " in result.stderr and "--allow_pickle" in result.stderr
+    """The fast tier's DeepSpeed run: ZeRO-2 on 2 processes writes a checkpoint that export refuses without
+    --allow_pickle, and exports with it."""
+    from textclf.export import main
+
+    assert "--allow_pickle" in refusal(main, [trained_run("zero2") / "step_2", tmp_path / "x"])
     assert not (tmp_path / "x").exists()
+    main([str(trained_run("zero2") / "step_2"), str(tmp_path / "x"), "--allow_pickle"])
+    assert (tmp_path / "x" / "model.safetensors").is_file()
 
 
 def _save_fsdp_sharded(weights, checkpoint):
@@ -146,7 +150,9 @@ def test_an_existing_target_is_refused_unless_overwrite(tiny_model, tmp_path):
                    f"{target} already exists; choose another target or pass --overwrite")
     assert os.listdir(target) == ["keep.txt"]
 
-    run_module("textclf.export", [tiny_model, target, "--overwrite"])
+    from textclf.export import main
+
+    main([str(tiny_model), str(target), "--overwrite"])
     assert "keep.txt" not in os.listdir(target)
     original, replaced = load_file(tiny_model / "model.safetensors"), load_file(target / "model.safetensors")
     assert all(torch.equal(original[name], replaced[name]) for name in original)
@@ -199,7 +205,9 @@ BAD_SOURCES = {
 
 @pytest.mark.parametrize("case", BAD_SOURCES)
 def test_a_source_that_is_not_a_model_is_one_clear_error(case, tiny_model, tmp_path):
+    from textclf.export import main
+
     make_source, message = BAD_SOURCES[case]
     source = make_source(tiny_model, tmp_path)
-    assert_refused(run_module("textclf.export", [source, tmp_path / "target"], check=False), message)
+    assert message in refusal(main, [source, tmp_path / "target"])
     assert not (tmp_path / "target").exists()

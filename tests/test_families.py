@@ -14,11 +14,22 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from conftest import (PROBE_TEXTS, REPO, assert_pipeline_predicts_like_the_trained_model, assert_refused, losses,
-                      moved_away, read_csv, read_log, run_module, run_train)
-from families import FAMILIES
 from test_resume import assert_same_run
+
+from conftest import (
+    PROBE_TEXTS,
+    REPO,
+    assert_pipeline_predicts_like_the_trained_model,
+    assert_refused,
+    losses,
+    moved_away,
+    read_csv,
+    read_log,
+    run_module,
+    run_train,
+    train_forked,
+)
+from families import FAMILIES
 from textclf import check
 from textclf.config import parse_config
 from textclf.errors import InputError
@@ -50,8 +61,8 @@ def family_run(tmp_path_factory, family_model, reviews_csv, cache_dir):
         if (family, strategy) not in runs:
             out = tmp_path_factory.mktemp(f"{family}_{strategy}")
             config = STRATEGIES[strategy] and ZOO / STRATEGIES[strategy]
-            run_train([*family_args(family_model(family), reviews_csv, cache_dir, *EXTRA.get(family, [])),
-                       "--output_dir", out], config_file=config)
+            train_forked([*family_args(family_model(family), reviews_csv, cache_dir, *EXTRA.get(family, [])),
+                          "--output_dir", out], config_file=config)
             runs[family, strategy] = out
         return runs[family, strategy]
 
@@ -211,8 +222,8 @@ def test_a_pretrained_family_trains_the_same_under_ddp_and_zero3(family, family_
 def test_a_decoder_resumes_exactly_under_zero3(family_run, family_model, reviews_csv, cache_dir, tmp_path):
     full = family_run("llama", "zero3")
     resumed = tmp_path / "resumed"
-    run_train([*family_args(family_model("llama"), reviews_csv, cache_dir), "--output_dir", resumed,
-               "--resume", full / "step_2", "--allow_pickle"], config_file=ZOO / "zero3.yaml")
+    train_forked([*family_args(family_model("llama"), reviews_csv, cache_dir), "--output_dir", resumed,
+                  "--resume", full / "step_2", "--allow_pickle"], config_file=ZOO / "zero3.yaml")
     assert_same_run(full, resumed, 2)
 
 
@@ -237,8 +248,8 @@ def test_predict_and_report_read_a_decoder_export(family_run, reviews_csv, tmp_p
 def lora_offload_run(tmp_path_factory, family_model, reviews_csv, cache_dir):
     qwen2_model = family_model("qwen2")
     out = tmp_path_factory.mktemp("qwen2_lora_offload")
-    run_train([*family_args(qwen2_model, reviews_csv, cache_dir, "--lora", "--gradient_checkpointing"),
-               "--output_dir", out], config_file=ZOO / "zero3_offload.yaml")
+    train_forked([*family_args(qwen2_model, reviews_csv, cache_dir, "--lora", "--gradient_checkpointing"),
+                  "--output_dir", out], config_file=ZOO / "zero3_offload.yaml")
     return out
 
 

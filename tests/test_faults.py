@@ -2,6 +2,7 @@
 stale build locks, stopped launches, user errors under `accelerate launch` (docs/faults.md lists them
 with the test that covers each). Exact resume itself is tests/test_resume.py's."""
 
+import io
 import json
 import os
 import re
@@ -31,11 +32,13 @@ def args(reviews_csv, cache_dir):
 
 
 def launch(command, **kwargs) -> subprocess.Popen:
-    """Start a command in a session of its own (as a terminal would), output merged, lines collected."""
+    """Start a command in a session of its own (as a terminal would), output merged, lines collected: split at
+    "\n" alone, as a terminal shows them (a progress bar redraws its line after a "\r")."""
     process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **OFFLINE}, **kwargs)
+                               stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE}, **kwargs)
     process.lines = []
-    reader = threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True)
+    output = io.TextIOWrapper(process.stdout, encoding="utf-8", errors="replace", newline="\n")
+    reader = threading.Thread(target=lambda: process.lines.extend(output), daemon=True)
     reader.start()
     process.reader = reader
     return process
@@ -64,18 +67,27 @@ def error_lines(text: str) -> list[str]:
 @pytest.mark.parametrize("config_file", [None, CPU_YAML], ids=["one-process", "cpu.yaml"])
 def test_two_runs_started_together_one_owns_the_folder_and_the_other_says_which_process(
         tmp_path, args, config_file, four_step_run):
-    # four_step_run has filled the caches (tokenizer, tokenized data): both runs start as fast, and the
-    # first to claim the folder is still training when the other gets there.
+    # The first run is held still (SIGSTOP, every process of its launch) once it owns the folder and has
+    # logged a step, so that the second arrives while it runs however loaded the machine is.
     out = tmp_path / "contested"
     run = [*args, "--max_steps", 60, "--save_steps", 20, "--output_dir", out]
-    runs = [launch(train_command(run, config_file)) for _ in range(2)]
-    outputs = [finish(process) for process in runs]
-    codes = [process.returncode for process in runs]
-    assert sorted(code == 0 for code in codes) == [False, True], outputs
-    refused = outputs[codes.index(next(code for code in codes if code != 0))]
-    errors = error_lines(refused)
-    holder = (out / ".lock").read_text().strip()  # the winner's main process: pid, host, start, command
-    assert len(errors) == 1 and f"{out} is in use by another run ({holder})" in errors[0], refused[-3000:]
+    first = launch(train_command(run, config_file))
+    wait_until(lambda: (out / ".lock").exists() and (out / ".lock").read_text() and (out / "log.jsonl").exists()
+               and "\n" in (out / "log.jsonl").read_text(), "the first run owns the folder and has logged a step")
+    held = [psutil.Process(first.pid), *descendants(first)]
+    for process in held:
+        process.suspend()
+    try:
+        second = run_train(run, config_file=config_file, check=False)
+    finally:
+        for process in held:
+            process.resume()
+    output = finish(first)
+    assert first.returncode == 0, output[-3000:]
+    holder = (out / ".lock").read_text().strip()  # the first run's main process: pid, host, start, command
+    errors = error_lines(second.stderr)
+    assert second.returncode != 0 and len(errors) == 1, second.stderr[-3000:]
+    assert f"{out} is in use by another run ({holder})" in errors[0], second.stderr[-3000:]
     assert re.match(r"pid \d+ on \S+, since ", holder)
     # The folder holds one run: every step logged once, checkpoints made by that run, its model.
     assert sorted(losses(out)) == list(range(1, 61))
@@ -93,6 +105,7 @@ def test_a_run_waiting_on_the_lock_while_overwrite_moves_the_folder_aside_does_n
     locks belong to open files, so two threads that each open .lock contend as two processes do. The
     delays are injected: A's rename waits until B has opened the lock file, B's lock until A is done."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from textclf import checkpoint
     from textclf.errors import InputError
@@ -135,6 +148,7 @@ def test_a_run_waiting_on_the_lock_while_overwrite_moves_the_folder_aside_does_n
     b.start()
     a.join(timeout=120)
     b.join(timeout=120)
+    AcceleratorState._reset_state(True)
     try:
         assert runs["A"] == "owns it"
         assert runs["B"].startswith(f"{out} is in use by another run (pid {os.getpid()} on "), runs
@@ -394,7 +408,8 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
 def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_model):
     import pickle
 
-    from conftest import run_module
+    from conftest import refusal
+    from textclf.predict import main
 
     class RunsCode:
         def __reduce__(self):
@@ -404,9 +419,8 @@ def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_
     (folder / "model.safetensors").unlink()
     with open(folder / "pytorch_model.bin", "wb") as f:
         pickle.dump(RunsCode(), f)
-    result = run_module("textclf.predict", ["--model", folder, "--text", "好", "--output", tmp_path / "p.jsonl"],
-                        check=False)
-    assert_refused(result, "its weights are a pickle that holds more than tensors")
+    error = refusal(main, ["--model", folder, "--text", "好", "--output", tmp_path / "p.jsonl"])
+    assert "its weights are a pickle that holds more than tensors" in error
     assert not (tmp_path / "code-ran").exists() and not (tmp_path / "p.jsonl").exists()
 
 
@@ -527,10 +541,49 @@ def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_
     assert (out / f"step_{last}" / "position.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config_file", [None, CPU_YAML], ids=["one-process", "cpu.yaml"])
+def test_ctrl_c_checkpoints_at_the_next_log_line_and_says_how_to_resume_on_a_line_of_its_own(
+        tmp_path, args, config_file):
+    out = tmp_path / "out"
+    process = launch(train_command([*args, "--max_steps", 500, "--output_dir", out], config_file))
+    wait_until(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 2, "training has begun")
+    started = descendants(process)
+    stop(process, "SIGINT")  # under accelerate launch, torchrun passes it on to both ranks
+    output = finish(process, timeout=300)
+    wait_until(lambda: all_gone(started), "every process of the launch has ended", timeout=120)
+    last = max(losses(out))
+    lines = output.split("\n")
+    assert f"stopped by SIGINT at step {last}; continue with: --resume {out / f'step_{last}'}" in lines, output[-3000:]
+    assert "SIGINT: saving a checkpoint at the next logging step (--logging_steps 1), then stopping; Ctrl-C again " \
+           "stops at once, without it" in lines
+    assert (out / f"step_{last}" / "position.json").exists() and last < 500
+    assert "KeyboardInterrupt" not in output
+    if config_file is None:  # torchrun itself exits non-zero when it receives the signal
+        assert process.returncode == 0 and "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, args):
+    out = tmp_path / "out"
+    # A log line (and so the stop) only far ahead; an evaluation at every step shows that training runs.
+    process = launch(train_command([*args, "--max_steps", 10 ** 5, "--logging_steps", 10 ** 5, "--save_steps", 10 ** 5,
+                                    "--eval_steps", 1, "--output_dir", out]))
+    wait_until(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 1, "training has begun")
+    stop(process, "SIGINT")
+    wait_until(lambda: any(line.startswith("SIGINT: saving a checkpoint") for line in process.lines),
+               "the first Ctrl-C is acknowledged")
+    stop(process, "SIGINT")
+    output = finish(process, timeout=300)  # the run would otherwise go on to its next log line, 10^5 steps on
+    assert process.returncode == -signal.SIGINT, output[-3000:]
+    assert not [path for path in out.iterdir() if "step_" in path.name] and "Traceback" not in output
+
+
 def hold_like_a_build(lock: Path) -> subprocess.Popen:
     """A process holding `lock` the way torch's extension build does while it compiles (its FileBaton)."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from torch.utils.file_baton import FileBaton; "
-                               "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); time.sleep(600)",
+                               "assert FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); "
+                               "time.sleep(600)",
                                str(lock)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder

@@ -43,8 +43,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (LIBRARY_SYNCS, REPO, TINY, assert_no_sync_between_log_lines, losses, read_log, run_module,
-                      run_sync_probe, run_train)
+from conftest import (
+    LIBRARY_SYNCS,
+    REPO,
+    TINY,
+    assert_no_sync_between_log_lines,
+    losses,
+    read_log,
+    run_module,
+    run_sync_probe,
+    run_train,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(),

@@ -86,13 +86,17 @@ def test_a_flipped_byte_that_breaks_position_json_names_it(step_2):
 
 def test_the_best_model_s_reload_checks_the_checkpoint_first(step_2, tmp_path):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from textclf.cadence import load_best
 
     flip_byte(step_2 / "model.safetensors")
     best = {"step": 2, "checkpoint": str(step_2), "metrics": {"eval_f1": 0.5}}
-    with pytest.raises(InputError) as refused:
-        load_best(Accelerator(cpu=True), best, step=4, output_dir=str(tmp_path))
+    try:
+        with pytest.raises(InputError) as refused:
+            load_best(Accelerator(cpu=True), best, step=4, output_dir=str(tmp_path))
+    finally:
+        AcceleratorState._reset_state(True)
     assert one_line(refused).startswith(f"cannot load checkpoint {step_2}: model.safetensors is not the file")
 
 
@@ -124,3 +128,33 @@ def test_a_new_checkpoint_whose_record_lost_a_sha256_is_refused(step_2):
     (step_2 / POSITION).write_text(json.dumps(sealed(position)))
     with pytest.raises(InputError, match="optimizer.bin is not the file that was saved"):
         verify_checkpoint(str(step_2), read_verified_position(str(step_2)))
+
+
+# --- What the run says when a checkpoint's position.json is gone, or a write fails before any checkpoint ---
+
+def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path, four_step_run, capsys):
+    from textclf.checkpoint import choose_checkpoint
+
+    out = shutil.copytree(four_step_run, tmp_path / "run")
+    (out / "step_4" / POSITION).unlink()
+    assert choose_checkpoint("latest", str(out), False) == str(out / "step_2")
+    assert f"warning: {out / 'step_4' / POSITION} is missing (a save always writes it, so it was deleted or lost): " \
+           f"step_4 is not a complete checkpoint, and --resume latest takes {out / 'step_2'}" in capsys.readouterr().err
+    (out / "step_2" / POSITION).unlink()
+    with pytest.raises(InputError, match=r"no complete checkpoint in .*run \(step_2, step_4 without position.json\)"):
+        choose_checkpoint("latest", str(out), False)
+
+
+def test_a_failed_log_write_advises_resume_only_when_a_checkpoint_exists(tmp_path):
+    from textclf.tracking import LOG, append_log
+
+    (tmp_path / LOG).mkdir()  # the log cannot be appended to, as on a full disk
+    with pytest.raises(InputError) as refused:
+        append_log(str(tmp_path), 1, {"loss": 0.5})
+    assert one_line(refused).endswith("and start again: no checkpoint was completed yet")
+    assert "--resume" not in str(refused.value)
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / POSITION).write_text("{}")
+    with pytest.raises(InputError, match=r"then continue with --resume latest \(the newest complete checkpoint, "
+                                         r".*step_2, is untouched\)"):
+        append_log(str(tmp_path), 3, {"loss": 0.5})

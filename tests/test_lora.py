@@ -13,8 +13,16 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import (REPO, TINY, assert_peft_loaders_predict_like_the_trained_model,
-                      assert_pipeline_predicts_like_the_trained_model, losses, moved_away, run_module, run_train)
+from conftest import (
+    REPO,
+    TINY,
+    assert_peft_loaders_predict_like_the_trained_model,
+    assert_pipeline_predicts_like_the_trained_model,
+    losses,
+    moved_away,
+    run_module,
+    train_forked,
+)
 from textclf.export import export_checkpoint
 from textclf.loading import checkpoint_weights
 
@@ -36,7 +44,8 @@ def lora_run(tmp_path_factory, lora_args):
     def get(strategy):
         if strategy not in runs:
             out = tmp_path_factory.mktemp(f"lora_{strategy}")
-            run_train([*lora_args, "--output_dir", out], config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+            train_forked([*lora_args, "--output_dir", out],
+                         config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
             runs[strategy] = out
         return runs[strategy]
 
@@ -108,8 +117,8 @@ def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tm
     out = lora_run(strategy)
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "step_1", resumed / "step_1")
-    run_train([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
-              config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+    train_forked([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
+                 config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert losses(resumed)[2] == losses(out)[2]
     for name in ("adapter_model.safetensors", "model.safetensors"):
         uninterrupted, continued = load_file(out / "model" / name), load_file(resumed / "model" / name)
@@ -144,9 +153,9 @@ def test_lora_of_a_decoder_trains_under_zero_and_its_exports_load_everywhere(str
     """LoRA of a Qwen2 trains no bias or norm (one parameter group, not an empty second one that DeepSpeed
     would drop under the scheduler's feet); both of its exports load in pipeline and in peft's loaders."""
     out = tmp_path / "out"
-    run_train([*TINY, "--model", family_model("qwen2"), "--data", reviews_csv, "--cache_dir", cache_dir, "--lora",
-               "--max_steps", 2, "--save_steps", 2, "--output_dir", out],
-              config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
+    train_forked([*TINY, "--model", family_model("qwen2"), "--data", reviews_csv, "--cache_dir", cache_dir, "--lora",
+                  "--max_steps", 2, "--save_steps", 2, "--output_dir", out],
+                 config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert sorted(losses(out)) == [1, 2]
     exported = tmp_path / "exported"
     export_checkpoint(str(out / "step_2"), str(exported), allow_pickle=True)

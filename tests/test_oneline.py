@@ -20,7 +20,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from conftest import OFFLINE, REPO, TINY, assert_refused, free_port, run_train
 from textclf import check
-from textclf.checkpoint import save_checkpoint
+from textclf.checkpoint import complete, save_checkpoint
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_inputs, read_labelled
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
@@ -46,7 +46,7 @@ def code_shipping_folder(tmp_path, position=False):
         "AutoModelForSequenceClassification": "modeling_mine.MineForSequenceClassification"}}))
     save_file({"weight": torch.zeros(2)}, str(folder / "model.safetensors"))
     if position:
-        (folder / "position.json").write_text(json.dumps({"step": 1, "epoch": 0, "batch_in_epoch": 1}))
+        complete(str(folder), {"step": 1, "epoch": 0, "batch_in_epoch": 1})  # sealed, as a run seals it
     return folder, marker
 
 

@@ -7,19 +7,17 @@ import random
 import pytest
 import torch
 
-from conftest import REPO, TINY, assert_refused, read_csv, run_module, run_train
+from conftest import REPO, assert_refused, read_csv, refusal, run_module
 from textclf.data import clean_text
 from textclf.loading import load_trained
-from textclf.predict import predict_logits
+from textclf.predict import main, predict_logits
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, reviews_csv, cache_dir):
-    """A tiny model trained for 3 steps on one process: step_3/ and the export model/ hold the same weights."""
-    out = tmp_path_factory.mktemp("predict_run")
-    run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
-               "--max_steps", 3, "--save_steps", 3])
-    return out
+def trained(four_step_run):
+    """conftest's tiny model trained for 4 steps on one process: step_4/ and the export model/ hold the same
+    weights."""
+    return four_step_run
 
 
 @pytest.mark.slow
@@ -49,7 +47,7 @@ def test_two_processes_write_one_row_per_input_row_in_input_order(trained, tmp_p
 def test_texts_on_the_command_line_from_a_checkpoint_to_json_lines(trained, tmp_path):
     texts = ["送餐很快，味道不错", "等了两个小时，菜都凉了", "一般"]
     output = tmp_path / "out.jsonl"
-    run_module("textclf.predict", ["--model", trained / "step_3", "--text", *texts, "--output", output])
+    run_module("textclf.predict", ["--model", trained / "step_4", "--text", *texts, "--output", output])
     rows = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
     assert [row["text"] for row in rows] == texts
     # The checkpoint predicts what the export of the same step predicts.
@@ -88,27 +86,26 @@ def test_a_model_folder_without_its_weights(tiny_model, tmp_path):
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tiny_model / name).read_bytes())
-    result = run_module("textclf.predict", ["--model", folder, "--text", "好吃", "--output", tmp_path / "o.csv"],
-                        check=False)
-    assert_refused(result, f"{folder} is not a complete model folder: it has no weights")
+    error = refusal(main, ["--model", folder, "--text", "好吃", "--output", tmp_path / "o.csv"])
+    assert f"{folder} is not a complete model folder: it has no weights" in error
     assert not (tmp_path / "o.csv").exists()
 
 
 def test_an_unknown_output_format(tiny_model, tmp_path):
-    result = run_module("textclf.predict", ["--model", tiny_model, "--text", "好吃", "--output", tmp_path / "o.txt"],
-                        check=False)
-    assert_refused(result, "expected a file ending in .csv or .jsonl")
+    error = refusal(main, ["--model", tiny_model, "--text", "好吃", "--output", tmp_path / "o.txt"])
+    assert "expected a file ending in .csv or .jsonl" in error
 
 
-def test_without_output_each_text_s_label_and_probability_go_to_the_terminal(tiny_model):
+def test_without_output_each_text_s_label_and_probability_go_to_the_terminal(tiny_model, capsys):
     texts = ["送餐很快，味道不错", "等了两个小时，菜都凉了", "一般"]
     before = set(os.listdir(REPO))
-    result = run_module("textclf.predict", ["--model", tiny_model, "--text", *texts], env={"OMP_NUM_THREADS": "1"})
+    main(["--model", str(tiny_model), "--text", *texts])
+    stdout = capsys.readouterr().out
     model, tokenizer = load_trained(str(tiny_model))
     probabilities = predict_logits(model, tokenizer, texts).softmax(dim=-1)
-    lines = [line.split("\t") for line in result.stdout.splitlines()]
+    lines = [line.split("\t") for line in stdout.splitlines()]
     assert [text for _, _, text in lines] == texts
     for (name, probability, _), expected in zip(lines, probabilities):
         assert name == model.config.id2label[int(expected.argmax())]
         assert float(probability) == pytest.approx(float(expected.max()), abs=1e-4)
-    assert set(os.listdir(REPO)) == before and "wrote" not in result.stdout  # nothing written
+    assert set(os.listdir(REPO)) == before and "wrote" not in stdout  # nothing written

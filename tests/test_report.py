@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 from conftest import ASPECTS, TINY, run_module, run_train
+from textclf.report import font_covering
 
 CATEGORIES = sorted(ASPECTS)  # in id order
 
@@ -50,7 +51,8 @@ def test_report_prints_the_table_with_the_ten_category_names_and_draws_the_matri
     assert report["accuracy"] == pytest.approx(sum(matrix[i][i] for i in range(10)) / 200)
     assert 0 <= report["f1"] <= 1
 
-    # The picture: a real PNG of the size drawn, with the names rendered (no glyph missing from the font).
+    # The picture: a real PNG of the size drawn, with the names rendered where an installed font has their glyphs,
+    # or else the documented fallback: label ids, and one warning that says so. No glyph missing from the font.
     png = output_dir / "confusion_matrix.png"
     assert png.stat().st_size > 20_000
     with Image.open(png) as image:
@@ -59,7 +61,26 @@ def test_report_prints_the_table_with_the_ten_category_names_and_draws_the_matri
         # (3 + 0.6 * 10 + 1) x (3 + 0.6 * 10) inches at 120 dpi
         assert image.format == "PNG" and image.size == (1200, 1080)
     assert "missing from font" not in result.stderr
-    assert "no installed font has glyphs" not in result.stderr
+    fallback = "warning: no installed font has glyphs for the label names; the confusion matrix shows label ids"
+    assert result.stderr.count(fallback) == (1 if font_covering(CATEGORIES) is None else 0), result.stderr[-3000:]
+
+
+def test_without_a_font_for_the_names_the_matrix_shows_label_ids_and_says_so(tmp_path, capsys, monkeypatch):
+    """The fallback drawn on any machine, whatever fonts it has."""
+    import warnings
+
+    from textclf import report
+
+    monkeypatch.setattr(report, "font_covering", lambda texts: None)
+    matrix = [[3 if i == j else 0 for j in range(10)] for i in range(10)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report.draw_confusion_matrix({"labels": CATEGORIES, "confusion_matrix": matrix}, "ids",
+                                     str(tmp_path / "m.png"))
+    assert not [w for w in caught if "missing from font" in str(w.message)]
+    assert capsys.readouterr().err.count("the confusion matrix shows label ids (names in report.json)") == 1
+    with Image.open(tmp_path / "m.png") as image:
+        assert image.format == "PNG" and image.size == (1200, 1080)
 
 
 def test_labels_the_model_does_not_know_are_one_clear_error(tiny_model, tmp_path):

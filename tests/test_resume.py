@@ -17,9 +17,16 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import OFFLINE, REPO, TINY, losses, read_log, run_train, train_command
+from conftest import OFFLINE, REPO, TINY, losses, read_log, run_train, train_command, train_forked
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
+
+
+def train(args, config_file=None, check=True):
+    """train.py forked after the imports (conftest.train_forked): one process, or the ranks `config_file` sets up.
+    The launches these resumes are made from are real where a test stops them, and `python train.py --resume`
+    runs for real in test_a_non_default_run_resumes_exactly_from_its_path_alone."""
+    return train_forked(args, config_file=config_file, check=check)
 
 
 def weights(output_dir) -> dict:
@@ -47,8 +54,8 @@ def args(reviews_csv, cache_dir):
 @pytest.mark.parametrize("logging_steps", [1, 5])
 def test_one_process_resume_is_bitwise_exact(tmp_path, args, logging_steps):
     run = [*args, "--max_steps", 30, "--save_steps", 7, "--logging_steps", logging_steps]
-    run_train([*run, "--output_dir", tmp_path / "full"])
-    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_14"])
+    train([*run, "--output_dir", tmp_path / "full"])
+    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_14"])
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 14)
     window = json.loads((tmp_path / "full" / "step_14" / "position.json").read_text())["loss_window"]
     assert [w["losses"] for w in window] == [14 % logging_steps]  # micro-batches since the last log line
@@ -65,7 +72,7 @@ def two_process_ga3(tmp_path_factory, args):
     out = tmp_path_factory.mktemp("ga3")
     run = [*args, "--gradient_accumulation_steps", 3, "--max_steps", 12, "--eval_steps", 3,
            "--per_device_eval_batch_size", 7, "--logging_steps", 5]
-    run_train([*run, "--save_steps", 1, "--output_dir", out], config_file=CPU_YAML)
+    train([*run, "--save_steps", 1, "--output_dir", out], config_file=CPU_YAML)
     return out, run
 
 
@@ -75,7 +82,7 @@ def test_two_processes_with_accumulation_resume_exactly(tmp_path, two_process_ga
     full, run = two_process_ga3
     position = json.loads((full / f"step_{step}" / "position.json").read_text())
     assert (position["epoch"], position["batch_in_epoch"]) == {5: (0, 14), 6: (1, 3), 7: (1, 6)}[step]
-    run_train([*run, "--output_dir", tmp_path, "--resume", full / f"step_{step}"], config_file=CPU_YAML)
+    train([*run, "--output_dir", tmp_path, "--resume", full / f"step_{step}"], config_file=CPU_YAML)
     assert_same_run(full, tmp_path, step)
     evals = [row for row in read_log(tmp_path) if "eval_accuracy" in row]
     assert evals and all(row["eval_samples"] == 24 for row in evals)
@@ -84,8 +91,8 @@ def test_two_processes_with_accumulation_resume_exactly(tmp_path, two_process_ga
 @pytest.mark.slow
 def test_length_grouping_off_resumes_exactly_too(tmp_path, args):
     run = [*args, "--no_group_by_length", "--max_steps", 20, "--save_steps", 10]
-    run_train([*run, "--output_dir", tmp_path / "full"], config_file=CPU_YAML)
-    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_10"],
+    train([*run, "--output_dir", tmp_path / "full"], config_file=CPU_YAML)
+    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_10"],
               config_file=CPU_YAML)
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 10)
 
@@ -109,7 +116,7 @@ def kill_run(tmp_path_factory, args):
     """30 steps over 2+ epochs, a checkpoint every 3: the uninterrupted reference."""
     run = [*args, "--max_steps", 30, "--save_steps", 3, "--eval_steps", 9]
     out = tmp_path_factory.mktemp("uninterrupted")
-    run_train([*run, "--output_dir", out], config_file=CPU_YAML)
+    train([*run, "--output_dir", out], config_file=CPU_YAML)
     return out, run
 
 
@@ -147,7 +154,7 @@ def test_sigkill_at_any_moment_then_resume_latest_finishes_the_same_run(tmp_path
     if moment == "random-later":
         time.sleep(random.Random(os.getpid()).uniform(0.5, 4.0))
     kill(process)
-    run_train([*run, "--output_dir", out, "--resume", "latest"], config_file=CPU_YAML)
+    train([*run, "--output_dir", out, "--resume", "latest"], config_file=CPU_YAML)
     assert_same_run(full, out, 0)
 
 
@@ -163,7 +170,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp
             break
         process = start([*run, "--resume", "latest"], out)
     assert saving(out)(), "no kill landed inside a save in 5 attempts"
-    run_train([*run, "--output_dir", out, "--resume", "latest"], config_file=CPU_YAML)
+    train([*run, "--output_dir", out, "--resume", "latest"], config_file=CPU_YAML)
     assert_same_run(full, out, 0)
 
 
@@ -178,10 +185,11 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(tmp_p
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr[-3000:]
     last = max(losses(out))
-    assert f"stopped by SIGTERM at step {last}; continue with: --resume {out / f'step_{last}'}" in stdout
+    assert f"stopped by a signal to another rank at step {last}; continue with: --resume {out / f'step_{last}'}" \
+        in stdout
     assert (out / f"step_{last}" / "position.json").exists() and last < 30
     assert not (out / "model").exists()
-    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", out / f"step_{last}"], config_file=CPU_YAML)
+    train([*run, "--output_dir", tmp_path / "resumed", "--resume", out / f"step_{last}"], config_file=CPU_YAML)
     assert_same_run(full, tmp_path / "resumed", last)
 
 
@@ -190,13 +198,13 @@ def test_rotation_keeps_the_newest_and_the_best_and_resume_from_the_best_works(t
     out = tmp_path / "rotated"
     run = [*args, "--max_steps", 12, "--save_steps", 2, "--eval_steps", 2, "--save_total_limit", 2,
            "--metric_for_best_model", "eval_accuracy"]
-    run_train([*run, "--output_dir", out])
+    train([*run, "--output_dir", out])
     evals = {row["step"]: row["eval_accuracy"] for row in read_log(out) if "eval_accuracy" in row}
     assert sorted(evals) == [2, 4, 6, 8, 10, 12]
     best = max(evals, key=lambda step: (evals[step], step))  # ties go to the newer checkpoint
     kept = sorted(int(name.split("_")[1]) for name in os.listdir(out) if name.startswith("step_"))
     assert kept == sorted({10, 12, best})
-    run_train([*run, "--max_steps", 14, "--output_dir", tmp_path / "from-best", "--resume", out / f"step_{best}"])
+    train([*run, "--max_steps", 14, "--output_dir", tmp_path / "from-best", "--resume", out / f"step_{best}"])
 
 
 def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_path):
@@ -295,12 +303,15 @@ BAD_RESUMES = {
     "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
                              "made with gradient_accumulation_steps = 1, this run has 2"),
     "changed world size": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(world_size=2)), [],
-                           "made with number of processes = 2, this run has 1"),
+                           "made by a launch with number of processes 2 (this launch: 1); resume it with "
+                           "accelerate launch"),
     "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
-                         "made with DeepSpeed ZeRO stage = 2, this run has None"),
+                         "made by a launch with DeepSpeed ZeRO stage 2 (this launch: None); resume it with "
+                         "accelerate launch --config_file accelerate_configs/zero2.yaml"),
     # as a launch under ddp_bf16.yaml would set it, where the config's own field stays unset
     "changed precision": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(mixed_precision="bf16")), [],
-                          "made with precision (mixed_precision) = bf16, this run has no"),
+                          "made by a launch with precision (mixed_precision) bf16 (this launch: no); resume it "
+                          "with python train.py --mixed_precision bf16 --resume"),
 }
 
 
@@ -310,7 +321,7 @@ def test_bad_resume_is_one_clear_line_and_trains_nothing(case, tmp_path, args, c
     make_checkpoint, extra, message = BAD_RESUMES[case]
     out = tmp_path / "out"
     checkpoint = make_checkpoint(checkpoint_run / "step_2", tmp_path)
-    result = run_train([*args, "--max_steps", 4, "--output_dir", out, "--resume", checkpoint, *extra], check=False)
+    result = train([*args, "--max_steps", 4, "--output_dir", out, "--resume", checkpoint, *extra], check=False)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
@@ -319,7 +330,7 @@ def test_bad_resume_is_one_clear_line_and_trains_nothing(case, tmp_path, args, c
 
 @pytest.mark.slow
 def test_resume_latest_without_checkpoints_says_so_and_trains_nothing(tmp_path, args):
-    result = run_train([*args, "--output_dir", tmp_path / "empty", "--resume", "latest"], check=False)
+    result = train([*args, "--output_dir", tmp_path / "empty", "--resume", "latest"], check=False)
     assert result.returncode == 2
     assert "--resume latest: no complete checkpoint in" in result.stderr
     assert "drop --resume to start a fresh run" in result.stderr
@@ -327,7 +338,7 @@ def test_resume_latest_without_checkpoints_says_so_and_trains_nothing(tmp_path, 
 
 @pytest.mark.slow
 def test_a_fresh_run_refuses_a_folder_that_holds_checkpoints(args, checkpoint_run):
-    result = run_train([*args, "--max_steps", 4, "--output_dir", checkpoint_run], check=False)
+    result = train([*args, "--max_steps", 4, "--output_dir", checkpoint_run], check=False)
     assert result.returncode == 2
     assert "already holds checkpoints" in result.stderr and "--resume latest" in result.stderr
 
@@ -350,13 +361,13 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, args, checkpoint_r
         with open(checkpoint / name, "wb") as f:
             pickle.dump(RunsCode(str(marker)), f)
     record_files(checkpoint)  # as an attacker would: what is refused then is the unpickling itself
-    result = run_train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
+    result = train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
                        check=False)
     assert result.returncode == 2 and "random_states_0.pkl does not load as rank 0's RNG state" in result.stderr
     assert not marker.exists()
     (checkpoint / "random_states_0.pkl").write_bytes((checkpoint_run / "step_2" / "random_states_0.pkl").read_bytes())
     record_files(checkpoint)
-    result = run_train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
+    result = train([*args, "--max_steps", 4, "--output_dir", tmp_path / "out", "--resume", checkpoint],
                        check=False)
     assert result.returncode == 2 and "cannot load checkpoint" in result.stderr
     assert not marker.exists()
@@ -367,19 +378,19 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, args, checkpoint_r
 def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_file):
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 12, "--save_steps", 6, "--eval_steps", 4]
-    run_train([*run, "--output_dir", tmp_path / "full"], config_file=config)
-    refused = run_train([*run, "--output_dir", tmp_path / "refused", "--resume", tmp_path / "full" / "step_6"],
+    train([*run, "--output_dir", tmp_path / "full"], config_file=config)
+    refused = train([*run, "--output_dir", tmp_path / "refused", "--resume", tmp_path / "full" / "step_6"],
                         config_file=config, check=False)
     assert refused.returncode != 0 and "pass --allow_pickle if you trust this checkpoint" in refused.stderr
     assert not (tmp_path / "refused").exists()
-    run_train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_6",
+    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_6",
                "--allow_pickle"], config_file=config)
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 6)
     # DeepSpeed's own layout is checked too: each rank's optimizer partition, under the tag folder.
     damaged = shutil.copytree(tmp_path / "full" / "step_6", tmp_path / "damaged")
     partition = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     (damaged / partition).unlink()
-    refused = run_train([*run, "--output_dir", tmp_path / "refused", "--resume", damaged, "--allow_pickle"],
+    refused = train([*run, "--output_dir", tmp_path / "refused", "--resume", damaged, "--allow_pickle"],
                         config_file=config, check=False)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: cannot resume from {damaged}: {partition} is missing; resume from another checkpoint "
@@ -417,7 +428,7 @@ def fake_checkpoint(folder, **made_with):
 
 MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "learning_rate": 0.002,
              "max_length": 24, "text_column": "comment", "label_column": "sentiment", "logging_steps": 1,
-             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": "none"}
+             "data": "/somewhere/reviews.tsv", "encoding": "gb18030", "warmup_steps": 3, "report_to": ["none"]}
 
 
 def test_resume_by_path_alone_takes_the_checkpoint_s_config_and_folder(tmp_path):
@@ -478,7 +489,8 @@ def test_a_flag_that_would_change_the_resumed_run_is_refused_in_one_line(tmp_pat
     checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
     with pytest.raises(InputError) as error:
         parse_config(["--resume", str(checkpoint), *flags])
-    assert str(error.value).startswith(f"cannot resume from {checkpoint}: it was made with {made}, this run has {asked}")
+    assert str(error.value).startswith(
+        f"cannot resume from {checkpoint}: it was made with {made}, this run has {asked}")
     assert "start a new run" in str(error.value)
 
 
@@ -492,7 +504,8 @@ def test_a_recipe_cannot_change_the_resumed_run_either_and_unknown_options_are_r
     with pytest.raises(InputError, match="made with learning_rate = 0.002, this run has 0.01"):
         parse_config(["--config", str(recipe), "--resume", str(checkpoint)])
     newer = fake_checkpoint(tmp_path / "newer" / "step_8", torch_compile_mode="max")
-    with pytest.raises(InputError, match="its config has option.s. torch_compile_mode that this train.py does not know"):
+    with pytest.raises(InputError,
+                       match="its config has option.s. torch_compile_mode that this train.py does not know"):
         parse_config(["--resume", str(newer)])
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 from sklearn.metrics import f1_score
+from test_resume import assert_same_run
 from transformers import AutoModelForSequenceClassification, pipeline
 
-from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, run_train
-from test_resume import assert_same_run
+from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, train_forked
 from textclf.data import clean_text
 from textclf.loading import load_trained
 from textclf.predict import predict_logits
@@ -53,7 +53,7 @@ def task_run(request, tmp_path_factory, cache_dir):
                     "--cache_dir", cache_dir, "--max_steps", STEPS, "--eval_steps", 2, "--save_steps", 2,
                     "--save_total_limit", 2, *options]
             out = tmp_path_factory.mktemp(name)
-            run_train([*args, "--output_dir", out], config_file=CPU_YAML)
+            train_forked([*args, "--output_dir", out], config_file=CPU_YAML)
             runs[name] = out, args, files
         return runs[name]
 
@@ -83,7 +83,7 @@ def test_every_evaluation_scores_the_whole_eval_set_and_rotation_keeps_the_tasks
 @pytest.mark.parametrize("name", TASKS)
 def test_resume_on_two_processes_is_the_same_run(name, task_run, tmp_path):
     out, args, _ = task_run(name)
-    run_train([*args, "--output_dir", tmp_path, "--resume", out / f"step_{RESUME_AT}"], config_file=CPU_YAML)
+    train_forked([*args, "--output_dir", tmp_path, "--resume", out / f"step_{RESUME_AT}"], config_file=CPU_YAML)
     assert_same_run(out, tmp_path, RESUME_AT)
 
 

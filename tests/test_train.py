@@ -5,17 +5,33 @@ import json
 import os
 
 import pytest
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, \
-    BertForSequenceClassification, pipeline
+from test_resume import assert_same_run
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    pipeline,
+)
 
-from conftest import ASPECTS, REPO, TINY, assert_refused, read_log, run_train
+from conftest import (
+    ASPECTS,
+    REPO,
+    TINY,
+    assert_pipeline_predicts_like_the_trained_model,
+    assert_refused,
+    read_log,
+    run_train,
+    train_forked,
+)
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, reviews_csv, cache_dir):
-    """A 2-process DDP run on cpu.yaml; an eval batch (5) that does not divide the eval set (24)."""
+    """A 2-process DDP run on cpu.yaml, launched as users launch it (the fast tier's real launch); an eval batch
+    (5) that does not divide the eval set (24)."""
     out = tmp_path_factory.mktemp("ddp")
     result = run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
                         "--max_steps", 6, "--eval_steps", 3, "--save_steps", 3, "--warmup_ratio", 0.5,
@@ -23,7 +39,6 @@ def two_process_run(tmp_path_factory, reviews_csv, cache_dir):
     return out, result
 
 
-@pytest.mark.slow
 def test_two_processes_really_ran_and_said_so(two_process_run):
     out, result = two_process_run
     assert "distributed_type: MULTI_CPU | num_processes: 2" in result.stdout
@@ -34,7 +49,6 @@ def test_two_processes_really_ran_and_said_so(two_process_run):
     assert set(run["versions"]) >= {"torch", "accelerate", "transformers", "datasets", "deepspeed"}
 
 
-@pytest.mark.slow
 def test_log_has_every_step_and_each_evaluation_counts_the_whole_eval_set(two_process_run):
     out, _ = two_process_run
     log = read_log(out)
@@ -47,7 +61,6 @@ def test_log_has_every_step_and_each_evaluation_counts_the_whole_eval_set(two_pr
     assert all(0 <= row["eval_accuracy"] <= 1 and 0 <= row["eval_f1"] <= 1 for row in evals)
 
 
-@pytest.mark.slow
 def test_schedule_warms_up_then_reaches_zero_exactly_at_the_last_optimizer_step(two_process_run):
     out, _ = two_process_run
     lrs = [row["lr"] for row in read_log(out) if "lr" in row]
@@ -56,7 +69,6 @@ def test_schedule_warms_up_then_reaches_zero_exactly_at_the_last_optimizer_step(
     assert lrs == pytest.approx([peak / 3, 2 * peak / 3, peak, 2 * peak / 3, peak / 3, 0.0])
 
 
-@pytest.mark.slow
 def test_exported_model_loads_with_label_names_and_checkpoints_are_complete(two_process_run):
     out, _ = two_process_run
     model = AutoModelForSequenceClassification.from_pretrained(out / "model")
@@ -69,7 +81,6 @@ def test_exported_model_loads_with_label_names_and_checkpoints_are_complete(two_
     assert not [p for p in os.listdir(out) if "incomplete" in p]
 
 
-@pytest.mark.slow
 def test_tensorboard_holds_loss_lr_and_eval_scalars(two_process_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -81,6 +92,26 @@ def test_tensorboard_holds_loss_lr_and_eval_scalars(two_process_run):
         events.Reload()
         tags |= set(events.Tags()["scalars"])
     assert {"loss", "lr", "eval_accuracy", "eval_f1"} <= tags
+
+
+def test_the_default_job_resumes_bitwise_exports_and_loads_in_a_pipeline(tmp_path, four_step_run, reviews_csv,
+                                                                          cache_dir):
+    """The README's story, at a tiny size: `python train.py` (conftest's four_step_run), resumed from its
+    step_2 to the same losses and bitwise the same weights; its step_4 exported to the weights the run
+    exported itself; the export loaded by `pipeline` from another directory, predicting as the model does."""
+    from safetensors.torch import load_file
+
+    from textclf.export import main as export
+
+    resumed = tmp_path / "resumed"
+    train_forked([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
+                  "--output_dir", resumed, "--resume", four_step_run / "step_2"], config_file=None)
+    assert_same_run(four_step_run, resumed, from_step=2)
+    export([str(four_step_run / "step_4"), str(tmp_path / "exported")])
+    exported, at_the_end = (load_file(folder / "model.safetensors") for folder in (tmp_path / "exported",
+                                                                                   four_step_run / "model"))
+    assert exported.keys() == at_the_end.keys() and all(exported[k].equal(at_the_end[k]) for k in exported)
+    assert_pipeline_predicts_like_the_trained_model(tmp_path / "exported")
 
 
 @pytest.mark.slow
@@ -197,9 +228,8 @@ def test_train_py_says_bad_input_in_one_error_line_with_exit_code_2(case, tmp_pa
 
 def test_torch_compile_from_the_launch_line_is_refused_before_anything_is_written(tmp_path, cache_dir):
     out = tmp_path / "out"
-    result = run_train([*TINY, "--cache_dir", cache_dir, "--output_dir", out],
-                       config_file=REPO / "accelerate_configs" / "cpu.yaml",
-                       extra_launch_args=["--num_processes", "1", "--dynamo_backend", "inductor"], check=False)
+    result = train_forked([*TINY, "--cache_dir", cache_dir, "--output_dir", out],
+                          launch_args=["--dynamo_backend", "inductor"], check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-2000:]

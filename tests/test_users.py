@@ -1,6 +1,8 @@
 """What users type and what their tools see: labels as people write them, trackers, the command line's
 answers. In-process where the behaviour allows it (the functions are called, their InputError caught)."""
 
+import warnings
+
 import pytest
 
 from textclf.data import load_splits
@@ -170,3 +172,193 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
 
+
+
+# --- the other bad inputs: one line each ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "./my_modle"], "model not found: ./my_modle is a path (a hub id is name or namespace/name) and "
+                                "nothing is there"),
+    (["--dataloader_num_workers", "-1"], "dataloader_num_workers must be 0 or more, got -1"),
+    (["--warmup_steps", "-2"], "warmup_steps must be 0 or more, got -2"),
+    (["--runname", "a"], "unknown config key(s) --runname (did you mean --run_name?)"),
+    (["--do_train"], "(--do_train: train.py always trains; leave it out)"),
+    (["--push_to_hub"], "(--push_to_hub: upload the exported model with `hf upload <repo_id> <output_dir>/model`)"),
+    (["--text_column", "review", "--label_column", "review"],
+     "column 'review' is both the text and the label column; name the texts with --text_column"),
+])
+def test_bad_command_lines_are_one_line_saying_what_to_do(argv, message):
+    from textclf.config import parse_config
+
+    with pytest.raises(InputError) as refused:
+        parse_config(argv)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("recipe, command_line, blamed", [
+    ("max_steps: two\n", [], True),
+    ("max_steps: -3\n", [], True),
+    ("max_steps: two\n", ["--max_steps", "3"], True),  # argparse still reads the recipe's value, and quotes it
+    ("max_steps: 3\n", ["--max_steps", "0"], False),  # the command line's value
+])
+def test_a_type_error_in_a_recipe_names_the_recipe(tmp_path, recipe, command_line, blamed):
+    from textclf.config import parse_config
+
+    path = write(tmp_path / "recipe.yaml", recipe)
+    with pytest.raises(InputError) as refused:
+        parse_config(["--config", path, *command_line])
+    assert str(refused.value).startswith(f"config recipe {path}: ") == blamed
+    assert "max_steps" in str(refused.value)
+
+
+def test_predict_says_when_no_label_is_above_the_threshold():
+    import torch
+
+    task = Task("multi_label", "review", "label", threshold=0.7)
+    rows = task.prediction_rows(["一般"], None, torch.tensor([[0.0, -1.0]]), ["服务", "价格"])
+    assert task.terminal_line(rows[0]) == "(no label above 0.7)\t一般"
+
+
+# --- fewer processes than asked ----------------------------------------------------------------------------
+
+def one_process_yaml(tmp_path):
+    """What `accelerate config default` writes on a machine without GPUs: one process, distributed_type NO."""
+    return write(tmp_path / "default.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\n"
+                                            "num_processes: 1\nmixed_precision: 'no'\nuse_cpu: true\n")
+
+
+def test_a_launch_that_starts_fewer_processes_than_asked_is_said_by_the_checks_rule(tmp_path):
+    from textclf.runtime import launch_shortfall
+
+    yaml = one_process_yaml(tmp_path)
+    line = launch_shortfall(1, ["--config_file", yaml, "--num_processes", "2", "train.py", "--max_steps", "3"])
+    assert line == (f"{yaml}: distributed_type NO starts a single process, not the 2 asked for; for several use "
+                    "MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU (train.py uses gloo there), or "
+                    "--multi_gpu on the launch line")
+    assert launch_shortfall(1, ["--config_file", yaml, "train.py"]) is None
+
+
+def test_train_py_warns_once_when_accelerate_launch_starts_one_of_two_processes(tmp_path):
+    from conftest import TINY, run_train
+
+    result = run_train([*TINY, "--data", tmp_path / "missing.csv", "--output_dir", tmp_path / "out"],
+                       config_file=one_process_yaml(tmp_path), extra_launch_args=["--num_processes", "2"], check=False)
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "distributed_type NO starts a single process, not the 2 asked for" in warnings[0]
+    # accelerate's simple launcher reports the exit status 2 as its own failure (exit status 1)
+    assert result.returncode != 0 and [line for line in result.stderr.splitlines() if line.startswith("error:")] \
+        == [f"error: data not found: {tmp_path / 'missing.csv'} (expected CSV, TSV (or other delimited text, with "
+            "--delimiter), JSON Lines, JSON or Parquet, or a folder saved by `datasets`)"]
+
+
+# --- answers in seconds ------------------------------------------------------------------------------------
+
+RUN = {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}
+
+
+@pytest.mark.parametrize("position, launch", [
+    ({"world_size": 2, "zero_stage": None, "mixed_precision": "no"},
+     "number of processes 2 (this launch: 1); resume it with accelerate launch --config_file "
+     "accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2 --mixed_precision no train.py --resume ck"),
+    ({"world_size": 2, "zero_stage": 3, "mixed_precision": "bf16"},
+     "number of processes 2 (this launch: 1), DeepSpeed ZeRO stage 3 (this launch: None), precision "
+     "(mixed_precision) bf16 (this launch: no); resume it with accelerate launch --config_file "
+     "accelerate_configs/zero3.yaml (or its _offload variant) --num_processes 2 --mixed_precision bf16 train.py"),
+])
+def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, launch):
+    from textclf import checkpoint
+
+    with pytest.raises(InputError) as refused:
+        checkpoint.check_launch("ck", position, RUN)
+    assert str(refused.value).startswith(f"cannot resume from ck: it was made by a launch with {launch}")
+    checkpoint.check_launch("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN)
+
+
+@pytest.mark.parametrize("command, status, said", [
+    *[(f"{command} --help", 0, "usage:") for command in ("train.py", "-m textclf.check", "-m textclf.predict",
+                                                         "-m textclf.report", "-m textclf.export")],
+    ("train.py --model ./my_modle", 2, "error: model not found: ./my_modle is a path"),
+    ("-m textclf.check --learning_rat 1", 2, "error: unknown config key(s) --learning_rat"),
+    ("-m textclf.predict --model nowhere --text 好", 2, "error: model not found: nowhere"),
+    ("-m textclf.report --model nowhere --file a.csv --output_dir r", 2, "error: model not found: nowhere"),
+    ("-m textclf.export nowhere exported", 2, "error: model not found: nowhere"),
+])
+def test_help_and_command_line_errors_answer_before_torch_is_imported(command, status, said):
+    """-X importtime lists every module imported: the answer must come before torch, datasets and accelerate."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-X", "importtime", *command.split()], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == status and said in result.stdout + result.stderr, result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "datasets", "accelerate"} & imported
+
+
+# --- quiet by default --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pretrained_backbone(tmp_path_factory):
+    """A tiny BERT saved with its pretraining (masked-LM) head, as hub checkpoints are: no classification head."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    from textclf.modeling import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("backbone")
+    train_tokenizer(["好吃 很好", "太差了 不好", "一般 还行"] * 30, str(folder / "tokenizer"))
+    tokenizer = BertTokenizerFast.from_pretrained(folder / "tokenizer")
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    BertForMaskedLM(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return str(folder / "model"), tokenizer
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
+        pretrained_backbone, capfd, caplog, monkeypatch, verbose):
+    from textclf.modeling import apply_lora, build_model
+
+    if verbose:
+        monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
+    model, tokenizer = pretrained_backbone
+    built = build_model(model, tokenizer, ["a", "b"], 32, gradient_checkpointing=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(built, 4, 8, 0.0)
+    out, err = capfd.readouterr()
+    notes = [line for line in (out + err).splitlines() if line.startswith("note:")]
+    assert notes == [] if verbose else [
+        f"note: {model}: new bert.pooler.dense, classifier, trained from random weights (the classification head); "
+        "5 of its weights unused (its pretraining head); TEXTCLF_VERBOSE=1 shows transformers' load report"]
+    assert ("LOAD REPORT" in out + err + caplog.text) == verbose  # a terminal, or pytest's log capture
+    deprecated = [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert bool(deprecated) == verbose
+
+
+def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
+    import logging
+
+    from textclf.errors import actionable
+
+    assert actionable in logging.getLogger("DeepSpeed").filters
+    record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, "Setting accelerator to "
+                               "CPU. If you have GPU or other accelerator, we were unable to detect it.", None, None)
+    assert not actionable(record)
+    assert actionable(logging.LogRecord("DeepSpeed", logging.WARNING, "x.py", 1, "something else", None, None))
+    monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
+    assert actionable(record)
+
+
+def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypatch):
+    rows = "label,review\n" + "".join(f"{i % 2},评论{i}\n" for i in range(20)) + "1,\n"
+    monkeypatch.setenv("RANK", "1")
+    splits(tmp_path, "d.csv", rows)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    splits(tmp_path, "d.csv", rows)
+    assert capsys.readouterr().out.splitlines() == ["warning: dropped 1 row(s) with empty text from "
+                                                    f"{tmp_path / 'd.csv'}", f"eval: 25% of {tmp_path / 'd.csv'} "
+                                                    "held out, stratified by label"]

@@ -24,18 +24,8 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-import torch
-
 from .config import TrainConfig, parse_config
-from .data import sample_key
-from .errors import InputError
-from .job import load_data
-from .modeling import (SCRATCH_VOCAB_SIZE, apply_lora, embedding_holders, layer_classes, model_config,
-                       parameter_counts, scratch_config, scratch_size, scratch_tokenizer_folder)
-from .runtime import COMPILE_REFUSED, check_deepspeed_config, zero_offload
-from .task import Task
-from .theory import (BYTES_PER_PARAM, FRAMEWORK_BASELINE_BYTES, OFFLOADED_BY, SHARDED_FROM_STAGE, activation_bytes,
-                     framework_buffer_bytes, model_state_bytes)
+from .errors import InputError, run_command
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -60,6 +50,38 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     except argparse.ArgumentError as e:
         raise InputError(str(e)) from None
     return args, parse_config(training_args)
+
+
+if __name__ == "__main__":
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below.
+    PARSED = run_command(lambda: parse_args(sys.argv[1:]))
+
+import torch
+
+from .data import sample_key
+from .job import load_data
+from .modeling import (
+    SCRATCH_VOCAB_SIZE,
+    apply_lora,
+    embedding_holders,
+    layer_classes,
+    model_config,
+    parameter_counts,
+    scratch_config,
+    scratch_size,
+    scratch_tokenizer_folder,
+)
+from .runtime import COMPILE_REFUSED, check_deepspeed_config, fewer_processes, zero_offload
+from .task import Task
+from .theory import (
+    BYTES_PER_PARAM,
+    FRAMEWORK_BASELINE_BYTES,
+    OFFLOADED_BY,
+    SHARDED_FROM_STAGE,
+    activation_bytes,
+    framework_buffer_bytes,
+    model_state_bytes,
+)
 
 
 def read_launch(args: argparse.Namespace) -> dict:
@@ -150,7 +172,11 @@ def quiet_accelerate():
 def launcher_and_environment(launch_args: argparse.Namespace, precision_from_yaml: bool) -> tuple[str, dict]:
     """The launcher `accelerate launch` picks (the order of launch_command's branches) and the
     ACCELERATE_* environment it gives train.py."""
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     if launch_args.use_deepspeed and not launch_args.cpu:
         fields = [*launch_args.deepspeed_config, *(["mixed_precision"] if precision_from_yaml else [])] \
@@ -206,7 +232,8 @@ def deepspeed_precision(launch: dict, ds: dict, ds_place: str, precision: str, s
     for dtype, value in explicit.items():
         if (value is True) != (precision == dtype):
             conflicts.append(f"precision: {source} is {precision}, but {ds_place} sets "
-                             f'"{dtype}": {{"enabled": {json.dumps(value)}}}; set it to "auto" so that the launch decides')
+                             f'"{dtype}": {{"enabled": {json.dumps(value)}}}; '
+                             'set it to "auto" so that the launch decides')
     return enabled[0] if len(enabled) == 1 else precision
 
 
@@ -250,11 +277,9 @@ def check_topology(launch: dict, conflicts: list[str]) -> None:
     """The yaml mistakes that make `accelerate launch` start something other than what it says."""
     path, kind = launch["path"], launch["yaml_distributed_type"]
     processes, machines = launch["num_processes"], launch["num_machines"]
-    if processes < launch["requested_processes"]:
-        conflicts.append(f"{path or 'the launch'}: distributed_type {kind} starts a single process"
-                         f"{' without mpirun' if kind == 'MULTI_CPU' else ''}, not the {launch['requested_processes']} "
-                         "asked for; for several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU "
-                         "(train.py uses gloo there), or --multi_gpu on the launch line")
+    shortfall = fewer_processes(processes, launch["requested_processes"], kind, path)
+    if shortfall:
+        conflicts.append(shortfall)
     if processes % machines:
         conflicts.append(f"{path}: num_processes {processes} (all machines together) is not a multiple of "
                          f"num_machines {machines}")
@@ -440,7 +465,8 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         ("accelerate config", launch["path"] or "none: one process, as `python train.py`"),
         ("deepspeed config", ds_place or "-"),
         ("strategy", f"{strategy} ({kind}"
-                     + (f"; the yaml says {launch['yaml_distributed_type']}" if kind != launch["yaml_distributed_type"] else "")
+                     + (f"; the yaml says {launch['yaml_distributed_type']}"
+                        if kind != launch["yaml_distributed_type"] else "")
                      + f") on {devices}"),
         ("processes", f"{plural(world, 'process')} on {plural(machines, 'machine')}"
                       + (f", {world // machines} per machine" if machines > 1 else "")),
@@ -493,9 +519,9 @@ def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, k
                  + (", checkpointed" if cfg.gradient_checkpointing else ""))]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, parsed: Optional[tuple] = None) -> int:
     try:
-        args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        args, cfg = parsed or parse_args(sys.argv[1:] if argv is None else argv)
         report, warnings, conflicts = check(args, cfg)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -510,4 +536,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parsed=PARSED))

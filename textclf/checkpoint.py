@@ -57,6 +57,7 @@ IDENTITY = {
     "data_fingerprint": "training data",
 }
 _held_locks = []  # the open lock files of this process: closing one would release the folder
+_warned = set()  # the step folders without position.json this process has warned of (choose_checkpoint runs twice)
 
 
 def identity(cfg, run: dict, data_fingerprint: str) -> dict:
@@ -141,9 +142,16 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     existing = complete_checkpoints(output_dir)
     if resume == "latest":
+        newer = without_position(output_dir, existing[-1][0] if existing else -1)
         if not existing:
-            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}; "
-                             "drop --resume to start a fresh run")
+            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}"
+                             + (f" ({', '.join(newer)} without {POSITION})" if newer else "")
+                             + "; drop --resume to start a fresh run")
+        if newer and int(os.environ.get("RANK", "0")) == 0 and newer[-1] not in _warned:
+            _warned.add(newer[-1])
+            print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
+                  f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
+                  f"{existing[-1][1]}", file=sys.stderr)
         return existing[-1][1]
     if resume:
         return resume
@@ -151,6 +159,51 @@ def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -
         raise InputError(f"{output_dir} already holds checkpoints (newest {existing[-1][1]}); pass --resume latest "
                          "to continue that run, or --overwrite_output_dir to start over")
     return None
+
+
+def without_position(output_dir: str, newer_than: int) -> list[str]:
+    """The step_<N> folders above step `newer_than` that have no position.json, oldest first: a save never
+    leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
+    found = [(int(match.group(1)), name) for name in os.listdir(output_dir) if (match := STEP_DIR.match(name))] \
+        if os.path.isdir(output_dir) else []
+    return [name for step, name in sorted(found)
+            if step > newer_than and not os.path.isfile(os.path.join(output_dir, name, POSITION))]
+
+
+def continue_advice(output_dir: str, free_space: bool = True) -> str:
+    """What to do after a failed write: continue from the newest complete checkpoint, or start again."""
+    previous = complete_checkpoints(output_dir)
+    then = (f"continue with --resume latest (the newest complete checkpoint, {previous[-1][1]}, is untouched)"
+            if previous else "start again: no checkpoint was completed yet")
+    if not free_space:
+        return then
+    return f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
+
+
+LAUNCH_KEYS = ("world_size", "zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
+
+
+def check_launch(checkpoint: str, position: dict, run: dict) -> None:
+    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can."""
+    this = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
+            "mixed_precision": run["mixed_precision"]}
+    differ = [f"{IDENTITY[key]} {position.get(key)} (this launch: {this[key]})" for key in LAUNCH_KEYS
+              if key in position and position[key] != this[key]]
+    if differ:
+        raise InputError(f"cannot resume from {checkpoint}: it was made by a launch with {', '.join(differ)}; "
+                         f"resume it with {launch_for(position)} --resume {checkpoint}")
+
+
+def launch_for(position: dict) -> str:
+    """The command line that starts a run of the checkpoint's launch (processes, ZeRO stage, precision)."""
+    world, stage, precision = position.get("world_size", 1), position.get("zero_stage"), position.get("mixed_precision")
+    if world == 1 and stage is None:
+        return "python train.py" + (f" --mixed_precision {precision}" if precision not in (None, "no") else "")
+    config = (f"accelerate_configs/zero{stage}.yaml (or its _offload variant)" if stage in (2, 3) else
+              f"<a ZeRO-{stage} yaml>" if stage is not None else
+              "accelerate_configs/cpu.yaml (ddp.yaml on GPUs)")
+    return (f"accelerate launch --config_file {config} --num_processes {world} --mixed_precision {precision} "
+            "train.py")
 
 
 def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pickle: bool) -> None:
@@ -248,13 +301,14 @@ def manifest(folder: str) -> dict:
                 sizes[relative] = os.path.getsize(path)
     names = sorted(sizes)
     digests = sha256_all([os.path.join(folder, name) for name in names])
-    for name, digest in zip(names, digests):
+    for digest in digests:
         if isinstance(digest, OSError):
             raise digest
     return {name: {"size": sizes[name], "sha256": digest} for name, digest in zip(names, digests)}
 
 
-def complete(folder: str, position: dict, advice: str = "free space or make the folder writable, then run again") -> None:
+def complete(folder: str, position: dict,
+             advice: str = "free space or make the folder writable, then run again") -> None:
     """Write position.json, last: the position, the list of the folder's files and its own sha256."""
     write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}), advice)
 
@@ -344,7 +398,8 @@ def verify_files(checkpoint: str, position: dict) -> None:
                 states = load(os.path.join(checkpoint, name))  # as Accelerate reads it: weights_only
             except Exception as e:  # unpickling raises anything; all of it means "not an RNG state"
                 states = e
-            if not (isinstance(states, dict) and {"random_state", "numpy_random_seed", "torch_manual_seed"} <= states.keys()):
+            rng_keys = {"random_state", "numpy_random_seed", "torch_manual_seed"}
+            if not (isinstance(states, dict) and rng_keys <= states.keys()):
                 problems.append(f"{name} does not load as rank {rank}'s RNG state")
     if problems:
         raise InputError("\n".join(f"cannot resume from {checkpoint}: {problem}; resume from another checkpoint "
@@ -505,10 +560,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     """
     final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
-    previous = complete_checkpoints(output_dir)
-    then = (f"continue with --resume latest (the newest complete checkpoint, {previous[-1][1]}, is untouched)"
-            if previous else "start again: no checkpoint was completed yet")
-    advice = f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
+    advice = continue_advice(output_dir)
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
@@ -519,7 +571,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
         if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
             raise InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its own "
-                             f"message or the launcher's report says why); {then}") from None
+                             f"message or the launcher's report says why); "
+                             f"{continue_advice(output_dir, free_space=False)}") from None
         raise write_failed("save checkpoint", final, e, advice) from None
     accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:

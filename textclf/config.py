@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ from transformers import HfArgumentParser
 
 from .errors import InputError
 
-
 # Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task
 # with (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, appendix A.3:
 # 5e-5, 3e-5, 2e-5) and the full fine-tuning recipes of huggingface/alignment-handbook (zephyr-7b-beta
@@ -33,6 +33,10 @@ DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "Lo
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
+
+
+# The kinds of task (textclf/task.py), here so that a command line can offer them before the heavy imports.
+KINDS = ("single_label", "multi_label", "regression")
 
 
 def default_learning_rate(model: str, lora: bool) -> float:
@@ -120,7 +124,7 @@ class TrainConfig:
     )
 
     # --- task (textclf/task.py, docs/tasks.md) ---
-    task: Literal["single_label", "multi_label", "regression"] = field(
+    task: Literal[KINDS] = field(
         default="single_label",
         metadata={"help": "single_label: one label per text (softmax); multi_label: a set of labels per text "
                   "(a sigmoid per label); regression: a number per text (num_labels=1)."},
@@ -279,8 +283,9 @@ class TrainConfig:
             raise InputError("learning_rate and num_train_epochs must be positive")
         if not 0 <= self.warmup_ratio < 1:
             raise InputError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.warmup_steps < 0 or self.dataloader_num_workers < 0:
-            raise InputError("warmup_steps and dataloader_num_workers must be 0 or more")
+        for name in ("warmup_steps", "dataloader_num_workers"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.tokenizer_sample < 0:
             raise InputError(f"tokenizer_sample must be 0 (every example) or more, got {self.tokenizer_sample}")
         if not 0 < self.eval_split < 1:
@@ -376,6 +381,34 @@ HABITS = {
 }
 
 
+# The Trainer's options that have no counterpart here, and what to do instead.
+FOREIGN = {
+    "do_train": "train.py always trains; leave it out", "do_eval": "train.py always evaluates at the end; "
+    "--eval_strategy sets how often before", "do_predict": "predict with `python -m textclf.predict`",
+    "push_to_hub": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
+    "hub_model_id": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
+}
+
+
+def add_task_options(parser: argparse.ArgumentParser) -> None:
+    """The task's options, for predict and report; by default those the model was trained with."""
+    parser.add_argument("--task", choices=KINDS, help="the task (default: the one the model was trained for)")
+    parser.add_argument("--text_column", help="the column that holds the text (default: the training run's)")
+    parser.add_argument("--text_pair_column", help="the column that holds the second text of a pair "
+                                                   "(default: the training run's)")
+    parser.add_argument("--threshold", type=float, help="multi_label: a label is predicted where its sigmoid "
+                                                        "exceeds this (default: the training run's)")
+
+
+def add_loading_options(parser: argparse.ArgumentParser) -> None:
+    """What export, predict and report may load beyond plain safetensors and transformers' own classes."""
+    parser.add_argument("--allow_pickle", action="store_true",
+                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="run the Python code a model folder ships for its config, model or tokenizer (its "
+                        "auto_map); without it such a folder is refused, never prompted (trusted folders only)")
+
+
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -393,8 +426,11 @@ def suggest(key: str) -> str:
 
 
 def unknown_keys(keys: list[str], where: str = "") -> str:
-    suggestions = [suggestion for suggestion in map(suggest, keys) if suggestion]
+    names = [key.lstrip("-").split("=")[0].replace("-", "_") for key in keys]
+    foreign = [f"{key}: {FOREIGN[name]}" for key, name in zip(keys, names) if name in FOREIGN]
+    suggestions = [suggestion for key, name in zip(keys, names) if name not in FOREIGN and (suggestion := suggest(key))]
     hint = f" (did you mean {' / '.join(suggestions)}?)" if suggestions else ""
+    hint += f" ({'; '.join(foreign)})" if foreign else ""
     return f"unknown config key(s) {', '.join(keys)}{where}{hint}; see `python train.py --help`"
 
 
@@ -507,22 +543,55 @@ def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
                              "a new run in another --output_dir)")
 
 
+def blame_recipe(message: str, path: Optional[str], from_recipe: list[str], command_line: list[str]) -> str:
+    """`message` about a value, led by the recipe's name when the value came from the recipe."""
+    given = {arg.split("=")[0] for arg in command_line if arg.startswith("--")}
+    keys = [i for i, arg in enumerate(from_recipe) if arg.startswith("--")]
+    for i, end in zip(keys, keys[1:] + [len(from_recipe)]):
+        key, values = from_recipe[i], from_recipe[i + 1:end]
+        named = re.search(rf"(?:^|[\s(]|--){re.escape(key[2:])}\b", message)
+        # argparse quotes the value it refuses: the recipe's, even where the command line sets the key too
+        if named and (key not in given or any(f"'{value}'" in message for value in values)):
+            return f"config recipe {path}: {message}"
+    return message
+
+
 def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
     """Defaults < the config of the checkpoint resumed < YAML recipe (`--config`) < command line."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)
-    args = (_recipe_args(recipe.config) if recipe.config else []) + rest
+    from_recipe = _recipe_args(recipe.config) if recipe.config else []
+    args = from_recipe + rest
     parser = make_parser()
     resumed = None if {"-h", "--help"} & set(args) else checkpoint_config(args)
     if resumed:
         parser.set_defaults(**resumed[1])
-    cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    try:
+        cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+    except InputError as e:
+        raise InputError(blame_recipe(str(e), recipe.config, from_recipe, rest)) from None
     if unknown:
         flags = [arg for arg in unknown if arg.startswith("-")]
         raise InputError(unknown_keys(flags) if flags else f"unexpected argument(s) {' '.join(unknown)}; "
                          "options are given as --key value (see `python train.py --help`)")
     if resumed:
         check_resumable(cfg, *resumed)
+    require_local_model(cfg.model)
     return cfg
+
+
+def require_trained_model(path: str) -> None:
+    """What predict, report and export read must be a folder: said before the heavy imports."""
+    if not os.path.isdir(path):
+        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
+
+
+def require_local_model(model: str) -> None:
+    """A --model that can only be a path (a hub id is `name` or `namespace/name`) must exist: transformers would
+    call it a malformed repo id."""
+    a_path = model.startswith(("./", "../", "/", "~")) or model.count("/") > 1 or "\\" in model
+    if a_path and not os.path.exists(os.path.expanduser(model)):
+        raise InputError(f"model not found: {model} is a path (a hub id is name or namespace/name) and nothing is "
+                         "there; check the path, or give a hub id")

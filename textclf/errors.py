@@ -9,6 +9,7 @@ cause instead of pointing to a traceback a user's error does not have.
 
 import ctypes
 import json
+import logging
 import os
 import re
 import resource
@@ -104,6 +105,27 @@ def report(error: InputError) -> None:
         except OSError:
             pass  # the launcher's report then points to torch's docs instead; the line below still says it
     print(lines, file=sys.stderr, flush=True)
+
+
+def say(line: str, file=None) -> None:
+    """Print `line` from rank 0 alone: under a launch every rank reads the same data and would say it again."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=file or sys.stdout, flush=True)
+
+
+def verbose() -> bool:
+    """TEXTCLF_VERBOSE=1: the libraries' warnings that textclf silences or shortens are shown as they are."""
+    return os.environ.get("TEXTCLF_VERBOSE", "") not in ("", "0")
+
+
+def actionable(record: logging.LogRecord) -> bool:
+    """A logging filter: False for what libraries log that a user cannot act on. DeepSpeed tells every
+    process of a machine without GPUs that it falls back to its CPU accelerator, which is the only one."""
+    return verbose() or not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+# On the logger that says it, before DeepSpeed is imported (by accelerate or transformers, later on).
+logging.getLogger("DeepSpeed").addFilter(actionable)
 
 
 def write_failed(what: str, path: str, error: Exception, advice: str) -> InputError:

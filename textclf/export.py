@@ -17,6 +17,26 @@ import shutil
 from contextlib import contextmanager
 from typing import Optional
 
+from .config import add_loading_options, require_trained_model
+from .errors import run_command
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m textclf.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="a step_<N> checkpoint folder, or a model folder that export wrote")
+    parser.add_argument("target", help="the folder to write (refused if it exists, unless --overwrite)")
+    parser.add_argument("--merge", action="store_true", help="merge LoRA adapters into a plain model")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing target")
+    add_loading_options(parser)
+    args = parser.parse_args(argv)
+    require_trained_model(args.source)
+    return args
+
+
+if __name__ == "__main__":
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below.
+    ARGS = run_command(parse_args)
+
 import torch
 from accelerate import Accelerator
 from safetensors import safe_open
@@ -24,8 +44,8 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
 from .checkpoint import write_json
-from .errors import WRITE_ERRORS, InputError, run_command, write_failed
-from .loading import TRAINING, add_loading_options, load_trained, load_weights, read_training, weight_files
+from .errors import WRITE_ERRORS, InputError, write_failed
+from .loading import TRAINING, load_trained, load_weights, read_training, weight_files
 from .modeling import apply_lora
 from .predict import predict_logits
 
@@ -198,14 +218,8 @@ def verify_weights(folder: str) -> None:
                     raise InputError(f"{path}: tensor {name} is empty (a ZeRO-3 shard saved without gathering?)")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m textclf.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="a step_<N> checkpoint folder, or a model folder that export wrote")
-    parser.add_argument("target", help="the folder to write (refused if it exists, unless --overwrite)")
-    parser.add_argument("--merge", action="store_true", help="merge LoRA adapters into a plain model")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing target")
-    add_loading_options(parser)
-    args = parser.parse_args(argv)
+def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
+    args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()  # one line per export is enough
     export_checkpoint(args.source, args.target, merge=args.merge, overwrite=args.overwrite,
                       allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
@@ -213,4 +227,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    run_command(main)
+    run_command(lambda: main(args=ARGS))

@@ -10,7 +10,6 @@ peft's loaders, which load the base from that name; transformers does not follow
 its own config.json.)
 """
 
-import argparse
 import glob
 import json
 import os
@@ -23,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from .checkpoint import (FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position,
-                         verify_checkpoint)
+from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position, verify_checkpoint
+from .config import require_trained_model
 from .errors import InputError
 from .modeling import apply_lora, needs_remote_code, pickled_weights
 
@@ -35,15 +34,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINING = "training.json"
 
 
-def add_loading_options(parser: argparse.ArgumentParser) -> None:
-    """What export, predict and report may load beyond plain safetensors and transformers' own classes."""
-    parser.add_argument("--allow_pickle", action="store_true",
-                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
-    parser.add_argument("--trust_remote_code", action="store_true",
-                        help="run the Python code a model folder ships for its config, model or tokenizer (its "
-                        "auto_map); without it such a folder is refused, never prompted (trusted folders only)")
-
-
 def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False):
     """(model, tokenizer) from an exported model folder or a step_<N> checkpoint; the model in eval mode.
 
@@ -52,8 +42,7 @@ def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool 
     `trust_remote_code` lets the folder's own Python code (its config's auto_map) run; it is passed to
     transformers as False otherwise, never None, which would ask on the terminal and run the code on "y".
     """
-    if not os.path.isdir(path):
-        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")
+    require_trained_model(path)
     if os.path.isfile(os.path.join(path, POSITION)) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
         model, tokenizer = _load_checkpoint(path, allow_pickle, trust_remote_code)
     elif glob.glob(os.path.join(path, "*.json")) or weight_files(path):

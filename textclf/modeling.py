@@ -1,10 +1,14 @@
 """Models to train: the offline default (a BERT built from config and a tokenizer learnt from the
 texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
 
+import logging
 import os
 import pickle
+import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -21,8 +25,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from .data import say
-from .errors import InputError
+from .errors import InputError, say, verbose
 
 # Sizes of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
 SCRATCH_SIZES = {
@@ -189,8 +192,10 @@ def build_model(model: str, tokenizer, label_names: list[str], max_length: int, 
         if hasattr(config, "use_cache"):
             config.use_cache = False  # a classifier never generates: no key/value cache to build and keep
         try:
-            built = AutoModelForSequenceClassification.from_pretrained(
-                model, config=config, dtype=dtype, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
+            with load_report_as_one_line(model):
+                built = AutoModelForSequenceClassification.from_pretrained(
+                    model, config=config, dtype=dtype, ignore_mismatched_sizes=True,
+                    trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
         except pickle.UnpicklingError:
@@ -206,6 +211,35 @@ def build_model(model: str, tokenizer, label_names: list[str], max_length: int, 
         except ValueError as e:
             raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None
     return built
+
+
+@contextmanager
+def load_report_as_one_line(model: str):
+    """transformers' LOAD REPORT (a table of the weights the checkpoint lacks or has in excess, logged when a
+    pretrained backbone gets its new classification head) as one line from rank 0; the table with
+    TEXTCLF_VERBOSE=1. A head that is new is what fine-tuning expects: nothing for the user to act on."""
+    reports = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" not in record.getMessage():
+            return True
+        reports.append(record.getMessage())
+        return False
+
+    source = logging.getLogger("transformers.modeling_utils")
+    if not verbose():
+        source.addFilter(keep)
+    try:
+        yield
+    finally:
+        source.removeFilter(keep)
+    if reports:
+        rows = re.findall(r"^(\S+)\s*\|\s*(MISSING|MISMATCH|UNEXPECTED)", reports[0], re.MULTILINE)
+        new = sorted({key.rsplit(".", 1)[0] for key, status in rows if status != "UNEXPECTED"})
+        unused = sum(status == "UNEXPECTED" for _, status in rows)
+        say(f"note: {model}: new {', '.join(new) or 'weights'}, trained from random weights (the classification "
+            f"head)" + (f"; {unused} of its weights unused (its pretraining head)" if unused else "")
+            + "; TEXTCLF_VERBOSE=1 shows transformers' load report")
 
 
 def layer_classes(model: PreTrainedModel) -> list[str]:
@@ -247,7 +281,11 @@ def apply_lora(model: PreTrainedModel, r: int, alpha: int, dropout: float, targe
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=target_modules, modules_to_save=extra_head or None)
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():
+            if not verbose():  # peft reads transformers' deprecated `is_gradient_checkpointing`: not the user's to fix
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
+                                        category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as e:  # target modules that the model does not have, or a model type peft does not know
         raise InputError(f"cannot apply LoRA to {model.config.model_type}: {str(e).splitlines()[0]} "
                          "(choose modules with --lora_target_modules)") from None

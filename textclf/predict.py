@@ -19,19 +19,48 @@ import json
 import os
 from typing import Optional
 
+from .config import TrainConfig, add_loading_options, add_task_options, require_trained_model
+from .errors import InputError, die_with_launcher, run_command
+
+OUTPUT_FORMATS = (".csv", ".jsonl")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m textclf.predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", nargs="+", help="one or more texts")
+    source.add_argument("--file", help="a CSV, JSON Lines or JSON file, or a folder saved by `datasets`")
+    parser.add_argument("--text_pair", nargs="+", help="with --text, for a pair model: the second text of each")
+    add_task_options(parser)
+    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
+    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
+    parser.add_argument("--output", help="where to write: a .csv or .jsonl file; without it, one line per text "
+                        "on the terminal: what the model predicts (label name and probability, names, or score), "
+                        "then the text")
+    parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
+    add_loading_options(parser)
+    args = parser.parse_args(argv)
+    if args.output and not args.output.endswith(OUTPUT_FORMATS):
+        raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
+    require_trained_model(args.model)
+    return args
+
+
+if __name__ == "__main__":
+    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below.
+    ARGS = run_command(parse_args)
+
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
-from .config import TrainConfig
-from .errors import InputError, die_with_launcher, run_command
 from .data import length_sorted_loader, read_inputs, tokenize
-from .loading import add_loading_options, load_trained, read_training
-from .task import KINDS, Task
-
-OUTPUT_FORMATS = (".csv", ".jsonl")
+from .loading import load_trained, read_training
+from .task import Task
 
 
 def inference_accelerator() -> Accelerator:
@@ -83,16 +112,6 @@ def run_config(model_path: str, options: dict) -> TrainConfig:
     return TrainConfig(**{**saved, **{key: value for key, value in options.items() if value is not None}})
 
 
-def add_task_options(parser: argparse.ArgumentParser) -> None:
-    """The task's options, for predict and report; by default those the model was trained with."""
-    parser.add_argument("--task", choices=KINDS, help="the task (default: the one the model was trained for)")
-    parser.add_argument("--text_column", help="the column that holds the text (default: the training run's)")
-    parser.add_argument("--text_pair_column", help="the column that holds the second text of a pair "
-                                                   "(default: the training run's)")
-    parser.add_argument("--threshold", type=float, help="multi_label: a label is predicted where its sigmoid "
-                                                        "exceeds this (default: the training run's)")
-
-
 def write_rows(rows: list[dict], path: str) -> None:
     """CSV or JSON Lines by the file's suffix, through a temporary file and a rename. In CSV a list (the
     predicted label names) is written as a JSON list, which training and report read back as one."""
@@ -108,24 +127,8 @@ def write_rows(rows: list[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m textclf.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", nargs="+", help="one or more texts")
-    source.add_argument("--file", help="a CSV, JSON Lines or JSON file, or a folder saved by `datasets`")
-    parser.add_argument("--text_pair", nargs="+", help="with --text, for a pair model: the second text of each")
-    add_task_options(parser)
-    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
-    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
-    parser.add_argument("--output", help="where to write: a .csv or .jsonl file; without it, one line per text "
-                        "on the terminal: what the model predicts (label name and probability, names, or score), "
-                        "then the text")
-    parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
-    add_loading_options(parser)
-    args = parser.parse_args(argv)
-    if args.output and not args.output.endswith(OUTPUT_FORMATS):
-        raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
+def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
+    args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()  # the prediction bar is the one that matters
 
     task = Task.from_config(run_config(args.model, {key: getattr(args, key) for key in (
@@ -153,5 +156,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
-    run_command(main)
+    run_command(lambda: main(args=ARGS))

@@ -17,6 +17,39 @@ import os
 import sys
 from typing import Optional
 
+from .config import TrainConfig, add_loading_options, add_task_options, require_trained_model
+from .errors import InputError, die_with_launcher, run_command
+
+REPORT = "report.json"
+PICTURES = {"single_label": "confusion_matrix.png", "regression": "predicted_vs_true.png"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m textclf.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
+    parser.add_argument("--file", required=True, help="labelled data, in any format --data takes")
+    add_task_options(parser)
+    parser.add_argument("--label_column", help="the column that holds the true label (default: the training run's)")
+    parser.add_argument("--label_separator", help="multi_label: what separates the names in a CSV label cell "
+                                                  "(default: the training run's)")
+    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
+    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
+    parser.add_argument("--output_dir", required=True, help=f"where {REPORT} and the picture go")
+    parser.add_argument("--train_data", help="the baseline's training data (default: the training run's `data`, "
+                                             "split as the run split it)")
+    parser.add_argument("--no_baseline", action="store_true", help="leave the TF-IDF + linear baseline out")
+    parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
+    add_loading_options(parser)
+    args = parser.parse_args(argv)
+    require_trained_model(args.model)
+    return args
+
+
+if __name__ == "__main__":
+    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below.
+    ARGS = run_command(parse_args)
+
 import numpy as np
 from datasets import Dataset
 from sklearn.metrics import classification_report, confusion_matrix
@@ -24,16 +57,11 @@ from transformers.utils import logging as transformers_logging
 
 from .baseline import baseline_predictions
 from .checkpoint import write_json
-from .config import TrainConfig
 from .data import DEFAULT_DATA, fingerprint, load_splits, read_labelled
-from .errors import InputError, die_with_launcher, run_command
-from .loading import add_loading_options, load_trained, read_training
+from .loading import load_trained, read_training
 from .metrics import compute_scores
-from .predict import add_task_options, inference_accelerator, label_names, predict_logits, run_config
+from .predict import inference_accelerator, label_names, predict_logits, run_config
 from .task import Task
-
-REPORT = "report.json"
-PICTURES = {"single_label": "confusion_matrix.png", "regression": "predicted_vs_true.png"}
 
 
 def task_scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
@@ -152,23 +180,8 @@ def draw_predicted_vs_true(references: list[float], predictions: list[float], ti
     save_figure(figure, path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m textclf.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
-    parser.add_argument("--file", required=True, help="labelled data, in any format --data takes")
-    add_task_options(parser)
-    parser.add_argument("--label_column", help="the column that holds the true label (default: the training run's)")
-    parser.add_argument("--label_separator", help="multi_label: what separates the names in a CSV label cell "
-                                                  "(default: the training run's)")
-    parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
-    parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
-    parser.add_argument("--output_dir", required=True, help=f"where {REPORT} and the picture go")
-    parser.add_argument("--train_data", help="the baseline's training data (default: the training run's `data`, "
-                                             "split as the run split it)")
-    parser.add_argument("--no_baseline", action="store_true", help="leave the TF-IDF + linear baseline out")
-    parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
-    add_loading_options(parser)
-    args = parser.parse_args(argv)
+def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
+    args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()
 
     options = ("task", "text_column", "text_pair_column", "threshold", "label_column", "label_separator")
@@ -212,5 +225,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    die_with_launcher()  # under accelerate launch: end with the launcher, however it ends
-    run_command(main)
+    run_command(lambda: main(args=ARGS))

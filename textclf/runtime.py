@@ -1,6 +1,8 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
+import contextlib
 import copy
+import io
 import json
 import logging
 import os
@@ -8,7 +10,9 @@ import platform
 import signal
 import sys
 import time
+import warnings
 from contextlib import contextmanager
+from typing import Optional
 
 import psutil
 import torch
@@ -18,7 +22,7 @@ from accelerate.utils import DynamoBackend, LoggerType, is_wandb_available
 
 from . import tracking
 from .config import TrainConfig
-from .errors import InputError
+from .errors import InputError, verbose
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower
 # (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
@@ -47,21 +51,27 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
     if deepspeed and not has_cuda:
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
-    accelerator = Accelerator(
-        cpu=not has_cuda and not deepspeed,
-        mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
-        step_scheduler_with_optimizer=False,
-        log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
-        project_dir=cfg.output_dir,
-        # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-        # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
-        # a blocking copy would wait for the previous step to finish before the next could be queued.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
-                                                  non_blocking=has_cuda),
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
-    )
+    if not verbose():  # DeepSpeed's calls of a torch function that torch deprecated: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*torch.distributed.all_gather_into_tensor.* is deprecated",
+                                category=FutureWarning)
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints "... built successfully" per rank
+        accelerator = Accelerator(
+            cpu=not has_cuda and not deepspeed,
+            mixed_precision=cfg.mixed_precision,  # None: the launch's (ACCELERATE_MIXED_PRECISION), or "no"
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
+            step_scheduler_with_optimizer=False,
+            log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+            project_dir=cfg.output_dir,
+            # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
+            # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
+            # a blocking copy would wait for the previous step to finish before the next could be queued.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                      non_blocking=has_cuda),
+            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
+        )
+    print("".join(line for line in said.getvalue().splitlines(keepends=True)
+                  if verbose() or not line.endswith("built successfully\n")), end="")
     dynamo_backend = accelerator.state.dynamo_plugin.backend
     if dynamo_backend != DynamoBackend.NO:
         raise InputError(f"dynamo_backend is {dynamo_backend.value.lower()}: {COMPILE_REFUSED}")
@@ -157,6 +167,51 @@ def check_trackers(report_to: list[str]) -> None:
         if not offline and not wandb.login(verify=False, prompt=False):
             raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
                              "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
+
+
+def fewer_processes(started: int, requested: int, distributed_type: str, path: Optional[str]) -> Optional[str]:
+    """The line that says a launch starts fewer processes than asked for (train.py warns, the check refuses), or
+    None. accelerate's simple launcher, which NO and MULTI_CPU (without mpirun) yamls get, starts one."""
+    if started >= requested:
+        return None
+    return (f"{path or 'the launch'}: distributed_type {distributed_type} starts a single process"
+            f"{' without mpirun' if distributed_type == 'MULTI_CPU' else ''}, not the {requested} asked for; for "
+            "several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU (train.py uses gloo there), or "
+            "--multi_gpu on the launch line")
+
+
+def launch_shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional[str]:
+    """fewer_processes for the `accelerate launch` that started this run: its line (by default the parent
+    process's) read as accelerate reads it, with the yaml or the default config that `accelerate config` wrote.
+    None when it asked for no more than started, or when no `accelerate launch` started this run."""
+    if launch_line is None:
+        if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # set by every `accelerate launch`
+            return None
+        command = psutil.Process().parent().cmdline()
+        ends = [i for i, arg in enumerate(command) if arg == "launch" or arg.endswith("accelerate.commands.launch")]
+        if not ends:
+            return None
+        launch_line = command[ends[0] + 1:]
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    try:
+        args = launch_command_parser().parse_args(launch_line)
+        logger = logging.getLogger("accelerate.commands.launch")
+        level = logger.level
+        logger.setLevel(logging.ERROR)  # its warnings about defaults were printed by the launch itself
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # accelerate's private merge of the yaml and the launch line: what its launcher itself reads
+                args = _validate_launch_command(args)[0]
+        finally:
+            logger.setLevel(level)
+        path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+        kind = load_config_from_file(path).distributed_type if path else "NO"
+    except (SystemExit, Exception):  # a line this accelerate reads otherwise: nothing to say about it
+        return None
+    return fewer_processes(started, args.num_processes or 1, str(getattr(kind, "value", kind)), path)
 
 
 def zero_offload(zero_optimization: dict) -> dict[str, str]:

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from datasets import ClassLabel, List, Value
 
+from .config import KINDS  # noqa: F401  (the kinds of task, where the command lines read them early)
 from .errors import InputError
 
-KINDS = ("single_label", "multi_label", "regression")
 PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
                  "regression": "regression"}
 # Each kind's scores in the order they are printed: key (logged as eval_<key>), title, whether higher is better.
@@ -164,6 +163,8 @@ class Task:
 
     def encode_labels(self, labels: list, names: list[str], path: str):
         """(the `labels` column the model's loss takes, its feature): class ids, multi-hot floats, or floats."""
+        from datasets import ClassLabel, List, Value  # here: the command line reads this module before `datasets`
+
         if self.kind == "regression":
             return labels, Value("float32")
         seen = {str(label) for label in labels} if self.kind == "single_label" else {n for ns in labels for n in ns}
@@ -265,7 +266,8 @@ class Task:
         if self.kind == "single_label":
             return f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}\t{texts}"
         if self.kind == "multi_label":
-            return f"{self.label_separator.join(row['label_names'])}\t{texts}"
+            names = self.label_separator.join(row["label_names"]) or f"(no label above {self.threshold})"
+            return f"{names}\t{texts}"
         return f"{row[SCORE]:.4f}\t{texts}"
 
 

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from accelerate.tracking import TensorBoardTracker, get_available_trackers
 from accelerate.utils import gather_object
 
+from .checkpoint import continue_advice
 from .errors import InputError, write_failed
 
 LOG = "log.jsonl"
@@ -88,7 +89,7 @@ def append_log(output_dir: str, step: int, values: dict) -> None:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
     except OSError as e:
-        raise write_failed("append to", path, e, "free space, then continue with --resume latest") from None
+        raise write_failed("append to", path, e, continue_advice(output_dir)) from None
 
 
 def log(accelerator: Accelerator, output_dir: str, step: int, values: dict) -> None:
