@@ -58,6 +58,7 @@ if __name__ == "__main__":
 
 import torch
 
+from .data import sample_key
 from .job import load_data
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
@@ -356,10 +357,11 @@ def learnt_vocabulary(cfg: TrainConfig) -> Optional[int]:
     if not glob.glob(scratch_tokenizer_folder(cfg.cache_dir, "*")):
         return None  # nothing learnt here yet: no need to read the data
     try:
-        data_fingerprint = load_data(cfg)[3]
+        train_set, _, _, data_fingerprint = load_data(cfg)
     except InputError:
         return None
-    folder = scratch_tokenizer_folder(cfg.cache_dir, data_fingerprint)
+    folder = scratch_tokenizer_folder(cfg.cache_dir, sample_key(data_fingerprint, len(train_set),
+                                                                cfg.tokenizer_sample, cfg.seed))
     return len(AutoTokenizer.from_pretrained(folder, trust_remote_code=False)) if os.path.isdir(folder) else None
 
 

@@ -105,6 +105,11 @@ class TrainConfig:
         default=0.1, metadata={"help": "Fraction of `data` held out when `eval_data` is not given."}
     )
     max_length: int = field(default=128, metadata={"help": "Texts are truncated to this many tokens."})
+    tokenizer_sample: int = field(
+        default=100_000,
+        metadata={"help": "scratch models: the tokenizer is learnt from this many training examples, drawn with "
+                  "--seed (0: from all of them); a sample this size finds the same frequent tokens in less time."},
+    )
     group_by_length: bool = field(
         default=True,
         metadata={"help": "Batch texts of similar length together (less padding, same order for a "
@@ -281,6 +286,8 @@ class TrainConfig:
         for name in ("warmup_steps", "dataloader_num_workers"):
             if getattr(self, name) < 0:
                 raise InputError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.tokenizer_sample < 0:
+            raise InputError(f"tokenizer_sample must be 0 (every example) or more, got {self.tokenizer_sample}")
         if not 0 < self.eval_split < 1:
             raise InputError(f"eval_split must be in (0, 1), got {self.eval_split}")
         if self.delimiter is not None:

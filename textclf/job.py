@@ -4,11 +4,12 @@ for train.py, the benchmark and its baselines, so that all of them train the sam
 from contextlib import nullcontext
 from typing import NamedTuple
 
+from accelerate import PartialState
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TrainConfig
-from .data import all_texts, fingerprint, load_splits, tokenize
+from .data import fingerprint, load_splits, sample_key, text_sample, tokenize, tokenizing_processes
 from .modeling import apply_lora, build_model, get_tokenizer, model_config
 from .task import Task
 
@@ -39,10 +40,16 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     """
     config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)  # a model it cannot train stops here
     train_set, eval_set, label_names, data_fingerprint = load_data(cfg)
+    state = PartialState()
+    if not state.is_local_main_process:
+        print(f"process {state.process_index}: waiting for the local main process to learn the tokenizer and "
+              "tokenize the data; then reading both from its caches", flush=True)
     with tokenizer_first():
-        tokenizer = get_tokenizer(cfg.model, all_texts(train_set), cfg.cache_dir, data_fingerprint, cfg.max_length,
-                                  cfg.trust_remote_code)
-        train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length) for split in (train_set, eval_set))
+        texts = text_sample(train_set, cfg.tokenizer_sample, cfg.seed)
+        texts_key = sample_key(data_fingerprint, len(train_set), cfg.tokenizer_sample, cfg.seed)
+        tokenizer = get_tokenizer(cfg.model, texts, cfg.cache_dir, texts_key, cfg.max_length, cfg.trust_remote_code)
+        train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length, num_proc=tokenizing_processes(len(split)),
+                                        show_progress=True) for split in (train_set, eval_set))
     model = build_model(cfg.model, tokenizer, label_names, cfg.max_length,
                         problem_type=Task.from_config(cfg).problem_type, config=config, torch_dtype=cfg.torch_dtype,
                         gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)

@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 from contextlib import contextmanager
 from typing import Optional
@@ -90,10 +91,10 @@ def pickled_weights(folder: str) -> InputError:
                       "(save_pretrained does by default)")
 
 
-def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_length: int,
+def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length: int,
                   trust_remote_code: bool = False):
-    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from the training texts
-    and cached.
+    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from `texts` (strings or
+    batches of them) and cached under `texts_key`, which names those texts (data.sample_key).
 
     Call it on the local main process first: the others then find the cached one.
     """
@@ -106,10 +107,17 @@ def get_tokenizer(model: str, texts, cache_dir: str, data_fingerprint: str, max_
                 raise needs_remote_code(model) from None
             raise InputError(f"cannot load a tokenizer from '{model}': {str(e).splitlines()[0]}") from None
         return with_pad_token(tokenizer, model)
-    folder = scratch_tokenizer_folder(cache_dir, data_fingerprint)
-    if not os.path.isdir(folder):
+    folder = scratch_tokenizer_folder(cache_dir, texts_key)
+    start, learnt = time.perf_counter(), not os.path.isdir(folder)
+    if learnt:
         train_tokenizer(texts, folder)
-    return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+    tokenizer = BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+    if learnt:
+        say(f"data: learnt a tokenizer of {len(tokenizer):,} tokens in {time.perf_counter() - start:.1f} s, cached "
+            f"in {folder}")
+    else:
+        say(f"data: a tokenizer of {len(tokenizer):,} tokens from the cache, {folder}")
+    return tokenizer
 
 
 def with_pad_token(tokenizer: PreTrainedTokenizerBase, model: str) -> PreTrainedTokenizerBase:
@@ -127,9 +135,9 @@ def with_pad_token(tokenizer: PreTrainedTokenizerBase, model: str) -> PreTrained
     return tokenizer
 
 
-def scratch_tokenizer_folder(cache_dir: str, data_fingerprint: str) -> str:
-    """Where the tokenizer learnt from the training data with this fingerprint is cached."""
-    return os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{data_fingerprint}-{SCRATCH_VOCAB_SIZE}")
+def scratch_tokenizer_folder(cache_dir: str, texts_key: str) -> str:
+    """Where the tokenizer learnt from the texts named by `texts_key` (data.sample_key) is cached."""
+    return os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{texts_key}-{SCRATCH_VOCAB_SIZE}")
 
 
 def train_tokenizer(texts, folder: str) -> None:
