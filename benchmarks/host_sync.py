@@ -27,7 +27,7 @@ from .plan import OFFLINE, REPO
 
 # The line of train.py that the copy replaces, and what replaces it: the check before d993e92.
 QUIET = "            stopping = False\n"
-EVERY_STEP = ("            stopping = accelerator.reduce(torch.tensor([float(stop_requested.is_set())], "
+EVERY_STEP = ("            stopping = accelerator.reduce(torch.tensor([float(bool(stop_requested))], "
               "device=accelerator.device), reduction=\"sum\").item() > 0\n")
 
 

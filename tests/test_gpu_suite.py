@@ -64,8 +64,8 @@ def test_without_cuda_the_report_shows_every_gpu_test_skipped_with_its_reason(tm
     report = tmp_path / "report.md"
     suite("--no_install", "--no_bench", "--budget", 300, "--report", report, "--work_dir", tmp_path / "work")
     text = report.read_text(encoding="utf-8")
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_gpu.py"], cwd=REPO,
-                               capture_output=True, text=True).stdout.count("tests/test_gpu.py::")
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--full", "--collect-only", "-q", "tests/test_gpu.py"],
+                               cwd=REPO, capture_output=True, text=True).stdout.count("tests/test_gpu.py::")
     assert collected > 30 and f"**Tests: {collected} skipped.**" in text
     assert text.count("| skipped | ") == collected and "needs a CUDA GPU, which this machine lacks" in text
     assert "- cuda_available: False" in text and "| torch | " in text and "| tests | exit 0 |" in text
