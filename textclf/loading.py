@@ -25,7 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position, verify_checkpoint
 from .config import require_trained_model
 from .errors import InputError
-from .modeling import apply_lora, needs_remote_code, pickled_weights
+from .modeling import apply_lora, load_refused, needs_remote_code, pickled_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -110,9 +110,7 @@ def _load_folder(folder: str, trust_remote_code: bool):
         raise InputError(f"cannot load a model from {folder}: a weights file is damaged or incomplete "
                          f"({str(e).splitlines()[0]}); export it again") from None
     except (OSError, ValueError, KeyError) as e:
-        if "trust_remote_code" in str(e):
-            raise needs_remote_code(folder) from None
-        raise InputError(f"cannot load a model from {folder}: {str(e).splitlines()[0]}") from None
+        raise load_refused(folder, e, f"cannot load a model from {folder}") from None
     except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
         raise pickled_weights(folder) from None
     # from_pretrained fills missing weights with random ones and only warns: refuse instead.
@@ -133,14 +131,12 @@ def _load_checkpoint(checkpoint: str, allow_pickle: bool, trust_remote_code: boo
         config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
-            raise needs_remote_code(checkpoint) from None
+            raise needs_remote_code(checkpoint) from None  # else: the message below says more than the cause
         raise InputError(f"{checkpoint} is not a complete checkpoint: it has no readable config.json") from None
     try:
         model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise needs_remote_code(checkpoint) from None
-        raise InputError(f"cannot build the model of {checkpoint}: {str(e).splitlines()[0]}") from None
+        raise load_refused(checkpoint, e, f"cannot build the model of {checkpoint}") from None
     if run.get("lora"):  # the run's own settings rebuild the same adapters
         model = apply_lora(model, run["lora_r"], run["lora_alpha"], run["lora_dropout"], run["lora_target_modules"])
     try:
@@ -205,6 +201,4 @@ def _load_tokenizer(folder: str, trust_remote_code: bool):
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
-        if "trust_remote_code" in str(e):
-            raise needs_remote_code(folder) from None
-        raise InputError(f"cannot load the tokenizer saved in {folder}: {str(e).splitlines()[0]}") from None
+        raise load_refused(folder, e, f"cannot load the tokenizer saved in {folder}") from None

@@ -59,12 +59,8 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
     try:
         # trust_remote_code=False, never None: None would prompt on a terminal for a repo that ships code.
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise needs_remote_code(model) from None
-        raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
-    except OSError as e:
-        raise InputError(f"cannot read the config of model '{model}': {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError) as e:
+        raise load_refused(model, e, f"cannot read the config of model '{model}'") from None
     auto_map = getattr(config, "auto_map", None) or {}
     custom_head = trust_remote_code and "AutoModelForSequenceClassification" in auto_map
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING and not custom_head:
@@ -82,6 +78,13 @@ def needs_remote_code(model: str) -> InputError:
     """What transformers' refusal of a model's own code (trust_remote_code=False) says to the user."""
     return InputError(f"'{model}' needs custom code to load (its config's auto_map names Python files it ships); "
                       "pass --trust_remote_code if you trust that code")
+
+
+def load_refused(model: str, error: Exception, problem: str) -> InputError:
+    """One line for what transformers raised loading `model`: its own code refused, or `problem` and the cause."""
+    if "trust_remote_code" in str(error):
+        return needs_remote_code(model)
+    return InputError(f"{problem}: {(str(error).splitlines() or [type(error).__name__])[0]}")
 
 
 def pickled_weights(folder: str) -> InputError:
@@ -103,9 +106,7 @@ def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length:
             # padding_side as a loading argument, not set afterwards: only then does save_pretrained keep it.
             tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, padding_side="right")
         except (OSError, ValueError) as e:
-            if "trust_remote_code" in str(e):
-                raise needs_remote_code(model) from None
-            raise InputError(f"cannot load a tokenizer from '{model}': {str(e).splitlines()[0]}") from None
+            raise load_refused(model, e, f"cannot load a tokenizer from '{model}'") from None
         return with_pad_token(tokenizer, model)
     folder = scratch_tokenizer_folder(cache_dir, texts_key)
     start, learnt = time.perf_counter(), not os.path.isdir(folder)
