@@ -231,13 +231,21 @@ def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_s
         for i in range(3000):
             (folder / "files" / f"{i:05d}").write_text("x")
         (folder / "position.json").write_text(json.dumps({"step": step}))
-    rotation = subprocess.Popen([sys.executable, "-c", "import sys; from textclf.checkpoint import rotate; "
-                                 "rotate(sys.argv[1], keep=1, metric='eval_f1', protect=None)", str(tmp_path)],
-                                cwd=REPO)
-    wait_until(lambda: any(p.name.startswith(".deleting_") for p in tmp_path.iterdir()) or rotation.poll() is not None,
-               "rotation starts deleting")
-    rotation.kill()
-    rotation.wait()
+    # The rotation kills itself (SIGKILL, as the OOM killer would) after its 100th file deletion: mid-way through
+    # deleting a checkpoint, whatever the machine's load, instead of racing a kill from outside.
+    killed_mid_deletion = (
+        "import os, signal, sys\n"
+        "from textclf.checkpoint import rotate\n"
+        "unlink, deleted = os.unlink, []\n"
+        "def unlink_then_die(*args, **kwargs):\n"
+        "    unlink(*args, **kwargs)\n"
+        "    deleted.append(1)\n"
+        "    if len(deleted) == 100:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "os.unlink = unlink_then_die\n"
+        "rotate(sys.argv[1], keep=1, metric='eval_f1', protect=None)\n")
+    rotation = subprocess.run([sys.executable, "-c", killed_mid_deletion, str(tmp_path)], cwd=REPO, timeout=120)
+    assert rotation.returncode == -signal.SIGKILL
     assert any(p.name.startswith(".deleting_") for p in tmp_path.iterdir()), "the kill came after the deletion"
     # Whatever the kill interrupted, every folder named like a checkpoint is whole.
     for _, path in complete_checkpoints(str(tmp_path)):
