@@ -1,0 +1,1 @@
+"""textclf: the library under train.py (docs/development.md lists its files)."""
