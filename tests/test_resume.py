@@ -450,6 +450,38 @@ def test_resume_latest_finds_the_newest_checkpoint_in_output_dir(tmp_path):
     assert cfg.learning_rate == 0.002 and cfg.resume == "latest"
 
 
+def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_the_newest_checkpoint(tmp_path):
+    from textclf.config import parse_config
+
+    cfg = parse_config(["--resume", "auto", "--output_dir", str(tmp_path / "run"), "--learning_rate", "0.1"])
+    assert cfg.resume == "auto" and cfg.learning_rate == 0.1  # nothing to continue: a fresh run's config
+    fake_checkpoint(tmp_path / "run" / "step_4", **{**MADE_WITH, "learning_rate": 0.1})
+    fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
+    cfg = parse_config(["--resume", "auto", "--output_dir", str(tmp_path / "run")])
+    assert cfg.learning_rate == 0.002 and cfg.resume == "auto"  # step_8's config
+
+
+@pytest.mark.slow
+def test_sigterm_then_the_same_command_again_finishes_the_uninterrupted_run(tmp_path, args):
+    """What a requeued SLURM job does (scripts/slurm.sbatch): one command, run until a SIGTERM stops it with a
+    checkpoint, then run again, continues where it stopped and ends with the uninterrupted run's weights."""
+    run = [*args, "--max_steps", 30, "--save_steps", 10, "--output_dir", tmp_path / "requeued", "--resume", "auto"]
+    train([*args, "--max_steps", 30, "--save_steps", 10, "--output_dir", tmp_path / "full"])
+    process = subprocess.Popen(train_command(run), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, **OFFLINE}, text=True)
+    wait_for(lambda: (tmp_path / "requeued" / "log.jsonl").exists()
+             and len(losses(tmp_path / "requeued")) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    stopped_at = max(losses(tmp_path / "requeued"))
+    assert f"stopped by SIGTERM at step {stopped_at}" in stdout and stopped_at < 30
+    assert not (tmp_path / "requeued" / "model").exists()
+    again = train(run)
+    assert f"resumed from {tmp_path / 'requeued' / f'step_{stopped_at}'}" in again.stdout
+    assert_same_run(tmp_path / "full", tmp_path / "requeued", 0)
+
+
 def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path):
     from textclf.config import RESUME_MAY_CHANGE, field_names, parse_config
 

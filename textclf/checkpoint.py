@@ -141,6 +141,8 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
 
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     existing = complete_checkpoints(output_dir)
+    if resume == "auto":  # one command that starts a run and continues it (a requeued job reruns its command)
+        return existing[-1][1] if existing else None
     if resume == "latest":
         newer = without_position(output_dir, existing[-1][0] if existing else -1)
         if not existing:
