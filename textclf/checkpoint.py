@@ -45,17 +45,20 @@ LOCK = ".lock"  # held (flock) by the main process of the run that owns the fold
 # What a run stores of its loss window, per rank (tracking.Window.state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
                "padded_tokens": (int,)}
-# What must match between a checkpoint and the run resuming it, and how to say it.
+# What must match between a checkpoint and the run resuming it, and how to say it. The number of processes and
+# the accumulation may change (the data order depends on neither: data.EpochLengthGroupedSampler), as long as
+# they keep the global batch (accumulation_for).
 IDENTITY = {
-    "world_size": "number of processes",
+    "global_batch_size": "global batch (micro-batch x processes x accumulation)",
     "zero_stage": "DeepSpeed ZeRO stage",
     "mixed_precision": "precision (mixed_precision)",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
     "per_device_train_batch_size": "per_device_train_batch_size",
     "model": "model",
     "lora": "lora",
     "data_fingerprint": "training data",
 }
+# Recorded with the identity, not compared: how the checkpoint's launch split its global batch.
+SPLIT = ("world_size", "gradient_accumulation_steps")
 _held_locks = []  # the open lock files of this process: closing one would release the folder
 _warned = set()  # the step folders without position.json this process has warned of (choose_checkpoint runs twice)
 
@@ -64,8 +67,9 @@ def identity(cfg, run: dict, data_fingerprint: str) -> dict:
     """This run's value of each IDENTITY key: from the launch (`run`, as runtime.describe says it), the
     training data, or the config."""
     launch = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
-              "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint}
-    return {key: launch[key] if key in launch else getattr(cfg, key) for key in IDENTITY}
+              "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint,
+              "global_batch_size": run["global_batch_size"]}
+    return {key: launch[key] if key in launch else getattr(cfg, key) for key in (*IDENTITY, *SPLIT)}
 
 
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
@@ -182,18 +186,81 @@ def continue_advice(output_dir: str, free_space: bool = True) -> str:
     return f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
 
 
-LAUNCH_KEYS = ("world_size", "zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
+LAUNCH_KEYS = ("zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
 
 
-def check_launch(checkpoint: str, position: dict, run: dict) -> None:
-    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can."""
+def global_batch(position: dict) -> Optional[int]:
+    """The checkpoint's global batch; None for one made before the data order stopped depending on the number of
+    processes (its order cannot be replayed)."""
+    return position.get("global_batch_size")
+
+
+def accumulation_for(checkpoint: str, position: dict, world_size: int) -> int:
+    """The gradient accumulation that keeps the checkpoint's global batch on `world_size` processes, refusing
+    in one line (with the numbers of processes that can) when none does. No torch: it runs before the launch's
+    Accelerator is made, which takes the accumulation."""
+    total, micro = global_batch(position), position.get("per_device_train_batch_size")
+    if not (isinstance(total, int) and isinstance(micro, int) and micro > 0):
+        raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
+                         "depended on the number of processes; resume it with the textclf that made it, or start "
+                         "a new run")
+    if position.get("zero_stage") is not None and position.get("world_size") != world_size:
+        return position.get("gradient_accumulation_steps")  # check_launch refuses it, naming the launch to use
+    if total % (micro * world_size):
+        fits = [n for n in range(1, total // micro + 1) if (total // micro) % n == 0]
+        raise InputError(f"cannot resume from {checkpoint} on {world_size} processes: its global batch of {total} "
+                         f"({position.get('world_size')} processes x {micro} x accumulation "
+                         f"{position.get('gradient_accumulation_steps')}) is not a whole number of micro-batches of "
+                         f"{micro} per process; resume it on {', '.join(map(str, fits))} processes "
+                         f"(accelerate launch --num_processes N ... train.py --resume {checkpoint})")
+    return total // (micro * world_size)
+
+
+def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
+    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can. Returns
+    the line that says how a resume on another number of processes keeps the global batch, or None."""
     this = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
             "mixed_precision": run["mixed_precision"]}
     differ = [f"{IDENTITY[key]} {position.get(key)} (this launch: {this[key]})" for key in LAUNCH_KEYS
               if key in position and position[key] != this[key]]
+    made_on = position.get("world_size")
+    if made_on != this["world_size"] and not differ:
+        if position.get("zero_stage") is not None:  # its optimizer state is partitioned over made_on ranks
+            differ.append(f"ZeRO-{position['zero_stage']} on {made_on} processes (this launch: "
+                          f"{this['world_size']}), whose partitioned states this textclf reshards only for DDP "
+                          "and one process")
+        elif run.get("distributed_type") == "FSDP" or os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)):
+            differ.append(f"FSDP on {made_on} processes (this launch: {this['world_size']}), whose sharded states "
+                          "this textclf does not reshard")
     if differ:
         raise InputError(f"cannot resume from {checkpoint}: it was made by a launch with {', '.join(differ)}; "
                          f"resume it with {launch_for(position)} --resume {checkpoint}")
+    if made_on == this["world_size"]:
+        return None
+    made_with = position.get("gradient_accumulation_steps")
+    accumulation = global_batch(position) // (position["per_device_train_batch_size"] * this["world_size"])
+    return (f"resuming {checkpoint}, made by {made_on} process{'es' * (made_on != 1)} with gradient accumulation "
+            f"{made_with}, on {this['world_size']} process{'es' * (this['world_size'] != 1)}: gradient "
+            f"accumulation {accumulation} keeps its global batch of {global_batch(position)}")
+
+
+def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int) -> dict:
+    """The position as this launch counts it: batches per process into the epoch, and the loss window split
+    evenly over this launch's processes (a checkpoint sits where gradients sync, so both divide exactly)."""
+    made_on, made_with = position.get("world_size"), position.get("gradient_accumulation_steps")
+    if made_on == world_size:
+        return position
+    windows = position.get("loss_window")
+    if isinstance(windows, list) and all(isinstance(w, dict) for w in windows) and \
+            all(type(w.get(key)) in types for w in windows for key, types in WINDOW_KEYS.items()):
+        totals = {key: sum(w[key] for w in windows) for key in WINDOW_KEYS}
+        windows = [{"loss_sum": totals["loss_sum"] / world_size, "losses": totals["losses"] // world_size,
+                    **{key: totals[key] // world_size + (totals[key] % world_size if rank == 0 else 0)
+                       for key in ("samples", "real_tokens", "padded_tokens")}} for rank in range(world_size)]
+    batch = position.get("batch_in_epoch")
+    if type(batch) is int and isinstance(made_with, int) and made_with > 0:
+        batch = batch // made_with * gradient_accumulation_steps
+    return {**position, "batch_in_epoch": batch, "loss_window": windows}
 
 
 def launch_for(position: dict) -> str:
