@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, tracking
-from textclf.data import make_loaders, micro_batch_seed
+from textclf.data import make_loaders, seed_micro_batch
 from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
@@ -169,7 +169,7 @@ def main(cfg: TrainConfig) -> None:
         for batch_in_epoch, batch in enumerate(batches, start=skip + 1):
             # Dropout from the micro-batch's place in the run, not from the rank that runs it.
             micro_batch = (batch_in_epoch - 1) % cfg.gradient_accumulation_steps * accelerator.num_processes
-            torch.manual_seed(micro_batch_seed(cfg.seed, step, micro_batch + accelerator.process_index))
+            seed_micro_batch(cfg.seed, step, micro_batch + accelerator.process_index, accelerator.device)
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)

@@ -577,3 +577,43 @@ def test_a_non_default_run_resumes_exactly_from_its_path_alone(tmp_path, gbk_tsv
                                    str(resumed / f"step_{made['best_model']['step']}")}
     lrs = [row["lr"] for row in read_log(full) if "lr" in row]
     assert lrs[:3] == pytest.approx([0.002 / 3, 2 * 0.002 / 3, 0.002])  # 3 warmup steps, not a ratio of 20
+
+
+# --- another number of processes --------------------------------------------------------------------------------
+
+def assert_close_run(uninterrupted, resumed, from_step, rel=1e-4):
+    """The resumed steps log the uninterrupted run's losses within float summation error (the micro-batches, their
+    dropout masks and the global batch are the same; only the order of the sums differs)."""
+    expected, got = losses(uninterrupted), losses(resumed)
+    later = [step for step in expected if step > from_step]
+    assert later and all(step in got for step in later), f"resumed run logged {sorted(got)}"
+    far = [(step, expected[step], got[step]) for step in later
+           if abs(got[step] - expected[step]) > rel * abs(expected[step])]
+    assert not far, f"losses differ after resume by more than {rel} (step, uninterrupted, resumed): {far[:5]}"
+    reference, final = weights(uninterrupted), weights(resumed)
+    assert all((reference[name] - final[name]).abs().max() <= 1e-4 for name in reference), "final weights differ"
+
+
+# (processes, accumulation) of the run that made the checkpoint, and the processes that resume it
+RESHAPES = {"2-to-1": ((2, 1), 1), "1-to-2": ((1, 2), 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshape", RESHAPES)
+def test_a_checkpoint_resumes_on_another_number_of_processes_keeping_the_global_batch(tmp_path, args, reshape):
+    (made_on, accumulation), resumed_on = RESHAPES[reshape]
+    run = [*args, "--max_steps", 12, "--save_steps", 6, "--logging_steps", 1]
+
+    def launch(processes):
+        return dict(config_file=CPU_YAML if processes > 1 else None)
+
+    train([*run, "--gradient_accumulation_steps", accumulation, "--output_dir", tmp_path / "full"],
+          **launch(made_on))
+    resumed = train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_6"],
+                    **launch(resumed_on))
+    assert (f"on {resumed_on} process{'es' * (resumed_on > 1)}: gradient accumulation "
+            f"{made_on * accumulation // resumed_on} keeps its global batch of 16") in resumed.stdout
+    assert_close_run(tmp_path / "full", tmp_path / "resumed", 6)
+    made = json.loads((tmp_path / "resumed" / "step_12" / "position.json").read_text())
+    assert (made["world_size"], made["gradient_accumulation_steps"], made["global_batch_size"]) == \
+        (resumed_on, made_on * accumulation // resumed_on, 16)
