@@ -101,13 +101,20 @@ def main(cfg: TrainConfig) -> None:
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(total_steps), total_steps)
+    # ZeRO's states, partitioned over another number of processes, load from DeepSpeed's universal checkpoint.
+    universal = resume_from and checkpoint.needs_universal(position, accelerator.num_processes)
+    if universal:
+        accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:
+        load_from = checkpoint.universal_copy(accelerator, resume_from, cfg.output_dir) if universal else resume_from
         try:
-            accelerator.load_state(resume_from)
+            accelerator.load_state(load_from)
         except Exception as e:  # a truncated file, a foreign pickle, a shape mismatch: all mean "bad checkpoint"
             raise InputError(f"cannot load checkpoint {resume_from}: {str(e).splitlines()[0]}") from None
+        if universal:
+            checkpoint.remove_universal_copy(accelerator, load_from)
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
 
     # From here on the run writes to output_dir, which it holds until it ends: one run at a time.

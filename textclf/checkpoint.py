@@ -195,6 +195,10 @@ def global_batch(position: dict) -> Optional[int]:
     return position.get("global_batch_size")
 
 
+def processes(n) -> str:
+    return f"{n} process{'es' * (n != 1)}"
+
+
 def accumulation_for(checkpoint: str, position: dict, world_size: int) -> int:
     """The gradient accumulation that keeps the checkpoint's global batch on `world_size` processes, refusing
     in one line (with the numbers of processes that can) when none does. No torch: it runs before the launch's
@@ -204,12 +208,10 @@ def accumulation_for(checkpoint: str, position: dict, world_size: int) -> int:
         raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
                          "depended on the number of processes; resume it with the textclf that made it, or start "
                          "a new run")
-    if position.get("zero_stage") is not None and position.get("world_size") != world_size:
-        return position.get("gradient_accumulation_steps")  # check_launch refuses it, naming the launch to use
     if total % (micro * world_size):
         fits = [n for n in range(1, total // micro + 1) if (total // micro) % n == 0]
-        raise InputError(f"cannot resume from {checkpoint} on {world_size} processes: its global batch of {total} "
-                         f"({position.get('world_size')} processes x {micro} x accumulation "
+        raise InputError(f"cannot resume from {checkpoint} on {processes(world_size)}: its global batch of {total} "
+                         f"({processes(position.get('world_size'))} x micro-batch {micro} x accumulation "
                          f"{position.get('gradient_accumulation_steps')}) is not a whole number of micro-batches of "
                          f"{micro} per process; resume it on {', '.join(map(str, fits))} processes "
                          f"(accelerate launch --num_processes N ... train.py --resume {checkpoint})")
@@ -224,24 +226,19 @@ def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
     differ = [f"{IDENTITY[key]} {position.get(key)} (this launch: {this[key]})" for key in LAUNCH_KEYS
               if key in position and position[key] != this[key]]
     made_on = position.get("world_size")
-    if made_on != this["world_size"] and not differ:
-        if position.get("zero_stage") is not None:  # its optimizer state is partitioned over made_on ranks
-            differ.append(f"ZeRO-{position['zero_stage']} on {made_on} processes (this launch: "
-                          f"{this['world_size']}), whose partitioned states this textclf reshards only for DDP "
-                          "and one process")
-        elif run.get("distributed_type") == "FSDP" or os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)):
-            differ.append(f"FSDP on {made_on} processes (this launch: {this['world_size']}), whose sharded states "
-                          "this textclf does not reshard")
+    if made_on != this["world_size"] and not differ:  # ZeRO's partitions go through a universal checkpoint
+        if run.get("distributed_type") == "FSDP" or os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)):
+            differ.append(f"FSDP on {processes(made_on)} (this launch: {this['world_size']}), whose sharded "
+                          "states this textclf does not reshard")
     if differ:
         raise InputError(f"cannot resume from {checkpoint}: it was made by a launch with {', '.join(differ)}; "
                          f"resume it with {launch_for(position)} --resume {checkpoint}")
     if made_on == this["world_size"]:
         return None
-    made_with = position.get("gradient_accumulation_steps")
-    accumulation = global_batch(position) // (position["per_device_train_batch_size"] * this["world_size"])
-    return (f"resuming {checkpoint}, made by {made_on} process{'es' * (made_on != 1)} with gradient accumulation "
-            f"{made_with}, on {this['world_size']} process{'es' * (this['world_size'] != 1)}: gradient "
-            f"accumulation {accumulation} keeps its global batch of {global_batch(position)}")
+    return (f"resuming {checkpoint}, made by {processes(made_on)} with gradient accumulation "
+            f"{position.get('gradient_accumulation_steps')}, on {processes(this['world_size'])}: gradient "
+            f"accumulation {accumulation_for(checkpoint, position, this['world_size'])} keeps its global batch of "
+            f"{global_batch(position)}")
 
 
 def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int) -> dict:
@@ -596,7 +593,7 @@ def is_current(lock_file, path: str) -> bool:
 
 def remove_leftovers(output_dir: str) -> list[str]:
     """Delete what runs killed while saving or deleting a checkpoint left; main process only."""
-    removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING)))
+    removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING, UNIVERSAL)))
     for name in removed:
         try:
             shutil.rmtree(os.path.join(output_dir, name))
@@ -618,6 +615,73 @@ def delete_folder(path: str) -> None:
     except OSError as e:
         raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
+
+
+UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another number of processes
+DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
+
+
+def needs_universal(position: dict, world_size: int) -> bool:
+    """Whether resuming this checkpoint on world_size processes goes through DeepSpeed's universal checkpoint:
+    ZeRO partitions its optimizer state (and, at stage 3, the weights) over the processes that saved it."""
+    return position.get("zero_stage") is not None and position.get("world_size") != world_size
+
+
+def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
+    """Collective: a folder that `accelerator.load_state` reads as `checkpoint`, with DeepSpeed's states
+    converted to its universal checkpoint (deepspeed.checkpoint.ds_to_universal: one file per parameter and
+    state, which any number of processes loads with `"checkpoint": {"load_universal": true}`). Accelerate's own
+    files are linked, not copied. The main process converts; the folder is removed once loaded
+    (remove_universal_copy), or by the next start if the run is killed first."""
+    folder = os.path.join(output_dir, UNIVERSAL + os.path.basename(os.path.normpath(checkpoint)))
+
+    def convert():
+        from argparse import Namespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        refuse_round_robin(checkpoint)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        for name in os.listdir(checkpoint):
+            if name != DEEPSPEED_TAG:
+                os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(folder, name))
+        try:  # DeepSpeed's script, called as its command line would call it
+            ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
+                                      output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
+                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                      inject_missing_state=True))
+        except WRITE_ERRORS as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise write_failed("convert to a universal checkpoint", checkpoint, e,
+                               f"free space in {output_dir}, then run again") from None
+
+    checked_on_main_process(accelerator, convert)
+    return folder
+
+
+def refuse_round_robin(checkpoint: str) -> None:
+    """DeepSpeed's conversion misplaces the parameters of a ZeRO-1/2 checkpoint saved with
+    `round_robin_gradients` by more than one process (it reads them back in the order they were declared, not
+    in the round-robin order of the partitions): measured, then refused rather than trained on. The zoo's
+    DeepSpeed files leave it off."""
+    import torch
+
+    tag = os.path.join(checkpoint, DEEPSPEED_TAG)
+    states = sorted(name for name in os.listdir(tag) if name.endswith("model_states.pt"))
+    config = torch.load(os.path.join(tag, states[0]), map_location="cpu", weights_only=False).get("ds_config", {})
+    zero = config.get("zero_optimization", {})
+    if zero.get("round_robin_gradients") and zero.get("stage") in (1, 2):
+        raise InputError(f"cannot resume {checkpoint} on another number of processes: it was saved with "
+                         '"round_robin_gradients": true, whose partitions DeepSpeed\'s universal checkpoint '
+                         "misreads; resume it on the number of processes that made it")
+
+
+def remove_universal_copy(accelerator: Accelerator, folder: str) -> None:
+    """Collective: remove universal_copy's folder once every rank has loaded it."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:
