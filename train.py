@@ -8,7 +8,7 @@
 Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model).
 """
 
-from textclf.errors import InputError, die_with_launcher, run_command
+from textclf.errors import die_with_launcher, run_command
 
 if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
@@ -108,13 +108,7 @@ def main(cfg: TrainConfig) -> None:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:
-        load_from = checkpoint.universal_copy(accelerator, resume_from, cfg.output_dir) if universal else resume_from
-        try:
-            accelerator.load_state(load_from)
-        except Exception as e:  # a truncated file, a foreign pickle, a shape mismatch: all mean "bad checkpoint"
-            raise InputError(f"cannot load checkpoint {resume_from}: {str(e).splitlines()[0]}") from None
-        if universal:
-            checkpoint.remove_universal_copy(accelerator, load_from)
+        checkpoint.load_state(accelerator, optimizer, resume_from, cfg.output_dir, universal)
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
 
     # From here on the run writes to output_dir, which it holds until it ends: one run at a time.

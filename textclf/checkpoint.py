@@ -632,7 +632,7 @@ def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -
     converted to its universal checkpoint (deepspeed.checkpoint.ds_to_universal: one file per parameter and
     state, which any number of processes loads with `"checkpoint": {"load_universal": true}`). Accelerate's own
     files are linked, not copied. The main process converts; the folder is removed once loaded
-    (remove_universal_copy), or by the next start if the run is killed first."""
+    (load_state), or by the next start if the run is killed first."""
     folder = os.path.join(output_dir, UNIVERSAL + os.path.basename(os.path.normpath(checkpoint)))
 
     def convert():
@@ -677,11 +677,32 @@ def refuse_round_robin(checkpoint: str) -> None:
                          "misreads; resume it on the number of processes that made it")
 
 
-def remove_universal_copy(accelerator: Accelerator, folder: str) -> None:
-    """Collective: remove universal_copy's folder once every rank has loaded it."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(folder, ignore_errors=True)
+def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir: str, universal: bool) -> None:
+    """Collective: `accelerator.load_state(checkpoint)`, through universal_copy where ZeRO's partitions change
+    hands; a checkpoint that does not load is one line."""
+    import torch
+
+    load_from = universal_copy(accelerator, checkpoint, output_dir) if universal else checkpoint
+    # DeepSpeed's universal load gives every parameter group the first group's settings ("generally the same",
+    # stage3.py): the no-decay group would be decayed. The groups' own settings are put back after it.
+    settings = [{key: value for key, value in group.items() if key not in ("params", "lr")}
+                for group in optimizer.param_groups]
+    try:
+        accelerator.load_state(load_from)
+    except Exception as e:  # a truncated file, a foreign pickle, a shape mismatch: all mean "bad checkpoint"
+        raise InputError(f"cannot load checkpoint {checkpoint}: {str(e).splitlines()[0]}") from None
+    if universal:
+        # It also gives every ZeRO-3 partition one shared `step` tensor, which fused AdamW then increments in place
+        # once per partition at each step: each gets its own. (optimizer.optimizer is DeepSpeed's ZeRO optimizer,
+        # its .optimizer the torch one; test_resume.py's ZeRO-3 resumes fail if either changes.)
+        for state in optimizer.optimizer.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        for group, own in zip(optimizer.param_groups, settings):
+            group.update(own)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(load_from, ignore_errors=True)
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:
