@@ -112,8 +112,9 @@ class TrainConfig:
     )
     group_by_length: bool = field(
         default=True,
-        metadata={"help": "Batch texts of similar length together (less padding, same order for a "
-                  "given seed and epoch); evaluation batches are sorted by length too."},
+        metadata={"help": "Batch texts of similar length together: each global batch is one length group (less "
+                  "padding; the same order for a given seed, epoch and global batch, however many processes "
+                  "share it); evaluation batches are sorted by length too."},
     )
     dataloader_num_workers: int = field(
         default=0, metadata={"help": "Worker processes that collate batches (0: in the training process)."}
