@@ -622,3 +622,31 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_keeping_the_global_
     assert (made["world_size"], made["gradient_accumulation_steps"], made["global_batch_size"]) == \
         (resumed_on, made_on * accumulation // resumed_on, 16)
     assert not [name for name in os.listdir(tmp_path / "resumed") if name.startswith(".universal_")]
+
+
+def test_slurm_script_forwards_the_time_limit_s_sigterm_and_requeues_the_same_command(tmp_path):
+    """scripts/slurm.sbatch under stand-ins for srun, scontrol and accelerate: the SIGTERM SLURM sends the batch
+    shell before the time limit reaches the launch, whose run saves and exits 0, and the job requeues itself;
+    the launch carries --resume auto, so the requeued job continues."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',  # drop srun's options, run the task
+        "scontrol": f'[ "$1" = show ] && echo node1 || echo "$@" >> {tmp_path}/scontrol',
+        "accelerate": f'echo "$@" > {tmp_path}/launch; trap "echo saved > {tmp_path}/saved; exit 0" TERM; '
+                      'while :; do sleep 0.05; done',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": "77"}
+    job = subprocess.Popen(["bash", str(REPO / "scripts" / "slurm.sbatch"), "--output_dir", "/shared/run"], cwd=REPO,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "launch").exists(), job, timeout=30)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 0, stderr
+    assert (tmp_path / "saved").exists()  # the launch got the SIGTERM, and the script waited for it to end
+    assert (tmp_path / "scontrol").read_text().split() == ["requeue", "77"]
+    assert "train.py --resume auto --output_dir /shared/run" in (tmp_path / "launch").read_text()
