@@ -102,9 +102,10 @@ def main(cfg: TrainConfig) -> None:
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(total_steps), total_steps)
     # ZeRO's states, partitioned over another number of processes, load from DeepSpeed's universal checkpoint.
-    universal = resume_from and checkpoint.needs_universal(position, accelerator.num_processes)
+    universal = resume_from and checkpoint.needs_universal(resume_from, position, accelerator.num_processes,
+                                                           cfg.load_best_model_at_end)
     if universal:
-        accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+        accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:

@@ -395,3 +395,14 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
                      f"data: read {tmp_path / 'd.csv'}: 20 rows in <time>",
                      f"eval: 25% of {tmp_path / 'd.csv'} held out, stratified by label",
                      "data: labels and split: 15 train / 5 eval examples in <time>"]
+
+
+def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_universal_checkpoint():
+    from textclf import checkpoint
+
+    made = {"world_size": 2, "zero_stage": 3}
+    assert checkpoint.needs_universal("ck", made, 1, False) and not checkpoint.needs_universal("ck", made, 2, True)
+    assert not checkpoint.needs_universal("ck", {**made, "zero_stage": None}, 1, True)  # DDP: whole states
+    with pytest.raises(InputError, match="cannot resume ck on 1 process with --load_best_model_at_end: its ZeRO "
+                                         "states were saved by 2 processes"):
+        checkpoint.needs_universal("ck", made, 1, True)

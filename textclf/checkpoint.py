@@ -621,10 +621,17 @@ UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
 
 
-def needs_universal(position: dict, world_size: int) -> bool:
+def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_model_at_end: bool) -> bool:
     """Whether resuming this checkpoint on world_size processes goes through DeepSpeed's universal checkpoint:
-    ZeRO partitions its optimizer state (and, at stage 3, the weights) over the processes that saved it."""
-    return position.get("zero_stage") is not None and position.get("world_size") != world_size
+    ZeRO partitions its optimizer state (and, at stage 3, the weights) over the processes that saved it.
+    The best model's reload at the end loads checkpoints of both sizes into one engine, which is not offered."""
+    universal = position.get("zero_stage") is not None and position.get("world_size") != world_size
+    if universal and load_best_model_at_end:
+        raise InputError(f"cannot resume {checkpoint} on {processes(world_size)} with --load_best_model_at_end: its "
+                         f"ZeRO states were saved by {processes(position.get('world_size'))}, and the best model's "
+                         "reload would mix checkpoints of both; resume it on as many processes as made it, or with "
+                         "--load_best_model_at_end false")
+    return universal
 
 
 def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
