@@ -122,3 +122,28 @@ def test_the_data_stage_benchmark_writes_its_table(tmp_path, reviews_csv):
     assert "| 600 | warm (second run) |" in (tmp_path / "data_stage.md").read_text(encoding="utf-8")
     second = (tmp_path / "rows_600" / "console_second.txt").read_text(encoding="utf-8")
     assert "tokenized before, from the cache" in second  # the second run is a cache hit
+
+
+def test_only_the_ids_are_stored_and_the_collator_rebuilds_what_the_model_reads(tmp_path):
+    from transformers import BertTokenizerFast, DataCollatorWithPadding
+
+    from textclf.data import tokenize
+    from textclf.modeling import train_tokenizer
+
+    texts = ["这个手机很好用", "质量太差了，不推荐", "good value", "物流很快", "一般般吧"] * 4
+    train_tokenizer(texts, str(tmp_path / "tok"))
+    tokenizer = BertTokenizerFast.from_pretrained(tmp_path / "tok")
+    for columns in ({"text": texts}, {"text": texts, "text_pair": texts[::-1]}):
+        table = datasets.Dataset.from_dict({**columns, "labels": [i % 2 for i in range(len(texts))]})
+        tokenized = tokenize(table, tokenizer, max_length=8)
+        pairs = "text_pair" in columns
+        assert tokenized.column_names == ["labels", "input_ids", *(["token_type_ids"] if pairs else []), "length"]
+        expected = tokenizer(columns["text"], columns.get("text_pair"), truncation=True, max_length=8, padding=True,
+                             return_tensors="pt")
+        batch = DataCollatorWithPadding(tokenizer)([row for row in tokenized.remove_columns(["length"])])
+        assert batch["input_ids"].tolist() == expected["input_ids"].tolist()
+        assert batch["attention_mask"].tolist() == expected["attention_mask"].tolist()
+        assert tokenized["length"] == expected["attention_mask"].sum(1).tolist()
+        if pairs:  # BERT marks the second text's tokens; a single text's types are all 0, the model's default
+            assert batch["token_type_ids"].tolist() == expected["token_type_ids"].tolist()
+            assert expected["token_type_ids"].any()

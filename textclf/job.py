@@ -15,7 +15,7 @@ from .task import Task
 
 
 class Job(NamedTuple):
-    train_set: Dataset  # tokenized: input_ids, attention_mask (token_type_ids), labels, length
+    train_set: Dataset  # tokenized: labels, input_ids (token_type_ids for pairs), length
     eval_set: Dataset
     label_names: list[str]
     tokenizer: PreTrainedTokenizerBase
