@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from accelerate import PartialState
-from datasets import ClassLabel, Dataset
+from datasets import Dataset
+from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
@@ -349,6 +351,8 @@ def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] =
     labels = task.parse_labels(table["label"][:], path, table["row"][:])
     names = names or task.label_names(labels, path)
     encoded, feature = task.encode_labels(labels, names, path)
+    # As an Arrow array: `datasets` fingerprints the new column by pickling it, which takes seconds for a list.
+    encoded = pa.array(encoded, datasets.Features({"labels": feature}).arrow_schema.field("labels").type)
     return table.remove_columns(["label", "row"]).add_column("labels", encoded, feature=feature), names
 
 
@@ -385,23 +389,29 @@ def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int
                              "least 2 examples, one on each side; add examples, or give a held-out file with "
                              "--eval_data")
     stratum_id = {stratum: i for i, stratum in enumerate(sorted(set(strata)))}
-    with_strata = train.add_column("stratum", [stratum_id[stratum] for stratum in strata],
-                                   feature=ClassLabel(num_classes=len(stratum_id)))
+    held_out = math.ceil(eval_split * len(train))
+    # train_test_split(stratify_by_column=...)'s own draw, given the strata in memory: it reads a column row by row.
     try:
-        split = with_strata.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="stratum")
+        kept, held = next(stratified_shuffle_split_generate_indices(
+            np.array([stratum_id[stratum] for stratum in strata]), len(train) - held_out, held_out,
+            rng=np.random.default_rng(seed)))
     except ValueError as e:
         raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: {e}; give a held-out file with "
                          "--eval_data") from None
-    return split["train"].remove_columns(["stratum"]), split["test"].remove_columns(["stratum"])
+    return train.select(kept), train.select(held)
 
 
 def fingerprint(table: Dataset) -> str:
-    """A digest of the examples themselves, so a checkpoint can tell whether it sees the same data."""
+    """A digest of the examples themselves (labels and texts, in order), so a checkpoint can tell whether it sees
+    the same data. The texts are hashed a batch at a time in Arrow and C: per row in Python took seconds."""
     digest = hashlib.sha256()
-    columns = ["labels", *text_columns(table)]
-    for batch in table.select_columns(columns).iter(batch_size=4096):
-        for values in zip(*(batch[column] for column in columns)):
-            digest.update(("\t".join(map(str, values)) + "\n").encode())
+    columns = text_columns(table)
+    for batch in table.select_columns(["labels", *columns]).with_format("arrow").iter(batch_size=65536):
+        digest.update(json.dumps(batch["labels"].to_pylist()).encode())
+        for column in columns:
+            texts = batch[column].combine_chunks()
+            digest.update(pc.binary_length(texts).to_numpy().tobytes())  # where each text ends
+            digest.update(pc.binary_join(pa.ListArray.from_arrays([0, len(texts)], texts), "")[0].as_buffer())
     return digest.hexdigest()[:16]
 
 
