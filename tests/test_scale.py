@@ -137,7 +137,7 @@ def test_the_data_stage_benchmark_writes_its_table(tmp_path, reviews_csv):
     rows = json.loads((tmp_path / "data_stage.json").read_text(encoding="utf-8"))
     assert [(row["rows"], row["run"]) for row in rows] == [(300, "first"), (300, "second"), (600, "first"),
                                                            (600, "second")]
-    assert all(0 < row["first_step_s"] < row["wall_s"] and row["peak_rss_mb"] > 0 for row in rows)
+    assert all(0 < row["first_step_s"] < row["wall_s"] and row["peak_rss_mb"] > 0 and row["cpu_s"] > 0 for row in rows)
     assert "| 600 | warm (second run) |" in (tmp_path / "data_stage.md").read_text(encoding="utf-8")
     second = (tmp_path / "rows_600" / "console_second.txt").read_text(encoding="utf-8")
     assert "tokenized before, from the cache" in second  # the second run is a cache hit
