@@ -166,3 +166,7 @@ def test_only_the_ids_are_stored_and_the_collator_rebuilds_what_the_model_reads(
         if pairs:  # BERT marks the second text's tokens; a single text's types are all 0, the model's default
             assert batch["token_type_ids"].tolist() == expected["token_type_ids"].tolist()
             assert expected["token_type_ids"].any()
+    # A model that takes no token types (DistilBERT, decoders) is given none, pairs or not.
+    without_types = BertTokenizerFast.from_pretrained(tmp_path / "tok",
+                                                      model_input_names=["input_ids", "attention_mask"])
+    assert "token_type_ids" not in tokenize(table, without_types, max_length=8).column_names

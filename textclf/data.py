@@ -432,21 +432,21 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
     longest first); `datasets` caches the result on disk between runs. `show_progress`: a bar and a line
     from the local main process.
 
-    Only the ids are stored (and token types where they say something: a pair's, or a family that marks single
-    texts too): the collator rebuilds the attention mask as it pads, and storing less is a sixth less work.
+    Only the ids are stored, and the token types where they say something (a pair's, or a family that marks
+    single texts too) and the model takes them: the collator makes the attention mask as it pads.
     """
     texts = text_columns(table)
     pairs = "text_pair" in texts
-    types = pairs or any(tokenizer("x").get("token_type_ids", []))
+    types = None if pairs or any(tokenizer("x").get("token_type_ids", [])) else False  # None: if the model takes them
     ids_type = pa.list_(pa.int32())
 
     def encode(batch: pa.Table) -> pa.Table:  # Arrow in and out: no per-row Python past the tokenizer's lists
         pair = batch["text_pair"].to_pylist() if pairs else None
         encoded = tokenizer(batch["text"].to_pylist(), pair, truncation=True, max_length=max_length,
-                            return_attention_mask=False, return_token_type_ids=types or False)
+                            return_attention_mask=False, return_token_type_ids=types)
         ids = pa.array(encoded["input_ids"], ids_type)
         batch = batch.drop_columns(texts).append_column("input_ids", ids)
-        if types:
+        if "token_type_ids" in encoded:
             batch = batch.append_column("token_type_ids", pa.array(encoded["token_type_ids"], pa.list_(pa.int8())))
         return batch.append_column("length", pc.list_value_length(ids))
 
