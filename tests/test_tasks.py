@@ -184,7 +184,7 @@ def test_predict_and_report_take_the_runs_task_and_columns(name, task_run, tmp_p
 # --- The task's rules, without training. ---------------------------------------------------------------
 
 def test_multi_label_cells_read_as_lists_from_json_lines_delimited_csv_and_json_strings():
-    task = Task("multi_label", "review", "label", label_separator="|")
+    task = Task.of("multi_label", "review", "label", label_separator="|")
     cells = [["服务", "房间"], "房间| 服务 ", '["早餐"]', "", None, [3, 1]]
     assert task.parse_labels(cells, "f") == [["房间", "服务"], ["房间", "服务"], ["早餐"], [], [], ["1", "3"]]
     labels = task.parse_labels(cells[:3], "f")
@@ -195,9 +195,9 @@ def test_multi_label_cells_read_as_lists_from_json_lines_delimited_csv_and_json_
 
 
 def test_the_split_says_how_it_is_stratified():
-    single = Task("single_label", "review", "label")
-    multi = Task("multi_label", "review", "label")
-    regression = Task("regression", "review", "label")
+    single = Task.of("single_label", "review", "label")
+    multi = Task.of("multi_label", "review", "label")
+    regression = Task.of("regression", "review", "label")
     assert single.strata([0, 1, 1, 0], 2) == ([0, 1, 1, 0], "stratified by label")
     assert multi.strata([[1, 0], [1, 0], [0, 1], [0, 1]], 2)[1] == "stratified by label set (2 sets)"
     assert multi.strata([[1, 0], [1, 0], [0, 1], [1, 1]], 2) == (
@@ -209,7 +209,7 @@ def test_the_split_says_how_it_is_stratified():
 def test_logits_become_each_tasks_predictions_and_rows():
     logits = torch.tensor([[2.0, -1.0, 0.5], [-3.0, 0.2, -0.1]])
     names = ["a", "b", "c"]
-    single, multi = Task("single_label", "t", "l"), Task("multi_label", "t", "l", threshold=0.5)
+    single, multi = Task.of("single_label", "t", "l"), Task.of("multi_label", "t", "l", threshold=0.5)
     assert single.predictions(logits).tolist() == [0, 1]
     assert multi.predictions(logits).tolist() == [[1, 0, 1], [0, 1, 0]]
     rows = multi.prediction_rows(["x", "y"], None, logits, names)
@@ -218,7 +218,7 @@ def test_logits_become_each_tasks_predictions_and_rows():
     rows = single.prediction_rows(["x", "y"], ["p", "q"], logits, names)
     assert rows[1]["text_pair"] == "q" and rows[1]["label_name"] == "b"
     assert sum(rows[0][f"prob_{n}"] for n in names) == pytest.approx(1)
-    regression = Task("regression", "t", "l")
+    regression = Task.of("regression", "t", "l")
     assert regression.prediction_rows(["x"], None, torch.tensor([[3.25]]), ["score"]) == [{"text": "x", "score": 3.25}]
     # Without --output, predict prints one line per row: the prediction, then the text(s).
     assert single.terminal_line(rows[1]) == f"b\t{rows[1]['prob_b']:.4f}\ty\tq"
@@ -227,16 +227,14 @@ def test_logits_become_each_tasks_predictions_and_rows():
 
 
 def test_each_tasks_scores_and_which_way_is_better():
-    from textclf.metrics import compute_scores
-
-    multi = compute_scores("multi_label", [[1, 0, 1], [0, 1, 0]], [[1, 0, 0], [0, 1, 0]])
+    multi = Task.of("multi_label", "t", "l").compute_scores([[1, 0, 1], [0, 1, 0]], [[1, 0, 0], [0, 1, 0]])
     # micro: 2 true positives, 1 false positive, no false negative -> F1 = 4 / 5
     # macro: labels a and b are right (F1 1), c was predicted once and never true (F1 0)
     assert multi == pytest.approx({"micro_f1": 0.8, "macro_f1": 2 / 3, "subset_accuracy": 0.5})
-    regression = compute_scores("regression", [1.0, 2.0, 4.0], [1.0, 3.0, 5.0])
+    task = Task.of("regression", "t", "l")
+    regression = task.compute_scores([1.0, 2.0, 4.0], [1.0, 3.0, 5.0])
     assert regression["mse"] == pytest.approx(2 / 3) and regression["spearman"] == pytest.approx(1.0)
-    assert compute_scores("regression", [2.0, 2.0], [1.0, 3.0])["pearson"] is None  # a constant prediction
-    task = Task("regression", "t", "l")
+    assert task.compute_scores([2.0, 2.0], [1.0, 3.0])["pearson"] is None  # a constant prediction
     assert not task.greater_is_better("eval_mse") and task.greater_is_better("eval_pearson")
 
 
