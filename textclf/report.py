@@ -127,7 +127,7 @@ def save_figure(figure, path: str) -> None:
     os.replace(tmp, path)
 
 
-def draw_confusion_matrix(report: dict, references: list, predictions: list, title: str, path: str) -> None:
+def draw_confusion_matrix(report: dict, title: str, path: str) -> None:
     import matplotlib
     from sklearn.metrics import ConfusionMatrixDisplay
 
@@ -147,8 +147,7 @@ def draw_confusion_matrix(report: dict, references: list, predictions: list, tit
         save_figure(figure, path)
 
 
-def draw_predicted_vs_true(report: dict, references: list[float], predictions: list[float], title: str,
-                           path: str) -> None:
+def draw_predicted_vs_true(references: list[float], predictions: list[float], title: str, path: str) -> None:
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 6))
     axes.scatter(references, predictions, s=8, alpha=0.5)
@@ -159,8 +158,11 @@ def draw_predicted_vs_true(report: dict, references: list[float], predictions: l
     save_figure(figure, path)
 
 
-# The pictures a task may name (Task.picture), and what draws each.
-DRAWINGS = {"confusion_matrix.png": draw_confusion_matrix, "predicted_vs_true.png": draw_predicted_vs_true}
+# The pictures a task may name (Task.picture), and what draws each from the report and the predictions.
+DRAWINGS = {
+    "confusion_matrix.png": lambda report, references, predictions, *where: draw_confusion_matrix(report, *where),
+    "predicted_vs_true.png": lambda report, *drawn: draw_predicted_vs_true(*drawn),
+}
 
 
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
