@@ -61,12 +61,6 @@ from .predict import inference_accelerator, label_names, predict_logits, run_con
 from .task import Task, label_table
 
 
-def scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
-    """The task's scores (over every label the model has) and what the task adds to them (Task.figures)."""
-    return {"samples": len(references), **task.compute_scores(predictions, references, names),
-            **task.figures(references, predictions, names)}
-
-
 def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path: str) -> Dataset:
     """The examples the model was trained on, rebuilt as train.py builds them from the run's config (data,
     eval_data, eval_split, seed): all of `data` when the run had eval_data, else the same held-out split."""
@@ -184,7 +178,8 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     if accelerator.is_main_process:
         references, predictions = table["labels"][:], task.predictions(logits).tolist()
         report = {"model": args.model, "file": args.file, "task": task.kind,
-                  **scores(task, references, predictions, names)}
+                  "samples": len(references), **task.compute_scores(predictions, references, names),
+                  **task.figures(references, predictions, names)}  # scores over every label the model has
         print(f"model:    {task.summary(report, prefix='', separator=' | ')} | {len(table)} examples of {args.file}")
         if train is not None:
             baseline, about = baseline_predictions(task, train, table)

@@ -1,15 +1,8 @@
-"""What a task is: one class per kind, which data, training, predict, report and the check ask.
-
-    --task single_label   SingleLabel: one label per example (the default)
-    --task multi_label    MultiLabel: a set of labels per example
-    --task regression     Regression: a number per example
-    --text_pair_column    with any of the three: two texts per example, tokenized as a pair
-
-A kind owns its labels (parsing, names, encoding, the held-out split's strata), its head (the model
-config's `problem_type` and labels, so that the model computes the right loss itself, as under the
-Trainer, and `pipeline("text-classification")` applies softmax, sigmoid or none), its predictions, its
-scores and which way each is better, its baseline and its report. A new kind is one class here, named
-in KINDS (docs/tasks.md). This module imports nothing heavy at the top: the command lines read KINDS.
+"""What a task is: one class per kind (--task: SingleLabel, MultiLabel, Regression; --text_pair_column makes
+pairs of any), asked by data, training, predict, report and the check. A kind owns its labels, its head
+(`problem_type`: the model computes the right loss itself, as under the Trainer, and `pipeline` applies
+softmax, sigmoid or none), its predictions, scores and their direction, its baseline and its report.
+docs/tasks.md shows how to add one. Nothing heavy is imported at the top: the command lines read KINDS.
 """
 
 import json
@@ -23,7 +16,12 @@ from .errors import InputError
 
 @dataclass(frozen=True)
 class Task:
-    """What every kind shares: the columns and options, and the rules that do not depend on the kind."""
+    """What every kind shares: the columns and options, and what does not depend on the kind.
+
+    A kind (a subclass, named in KINDS) sets the class attributes below and defines label, label_names,
+    encode_labels, strata, predictions, compute_scores, predicted, shown and baseline (see SingleLabel's);
+    it may change check_labels, targets and figures.
+    """
 
     text_column: str
     label_column: str
@@ -55,8 +53,6 @@ class Task:
         (tokenized as `tokenizer(text, text_pair)`, so the pair's length is what length grouping sees)."""
         return {"text": self.text_column, **({"text_pair": self.text_pair_column} if self.text_pair_column else {})}
 
-    # --- labels ----------------------------------------------------------------------------------------
-
     def parse_labels(self, cells: list, path: str, rows: Optional[list[int]] = None) -> list:
         """The label column's cells as this kind reads them (`label`). Names are trimmed; only an empty cell is
         missing. `rows` are the cells' row numbers in the file (default 1, 2, ...), for the errors."""
@@ -69,27 +65,12 @@ class Task:
         self.check_labels(parsed, rows, path)
         return parsed
 
-    def label(self, cell, row: str):
-        """One cell's label (None: missing); `row` ('<file> row <N>') begins the error that says why it is not one."""
-        raise NotImplementedError
-
-    def where(self, cell, row: str) -> str:
-        return f"{row}: label {cell!r} in column '{self.label_column}'"
-
     def check_labels(self, labels: list, rows: list[int], path: str) -> None:
         """What the column as a whole must satisfy: here, no missing label."""
         missing = [row for row, label in zip(rows, labels) if label is None]
         if missing:
             raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
                              "fill them in or remove those rows")
-
-    def label_names(self, labels: list, path: str) -> list[str]:
-        """The model's outputs in id order (its id2label)."""
-        raise NotImplementedError
-
-    def encode_labels(self, labels: list, names: list[str], path: str):
-        """(the `labels` column the model's loss takes, its `datasets` feature)."""
-        raise NotImplementedError
 
     def check_known(self, seen: set, names: list[str], path: str) -> dict[str, int]:
         """Each label name's id, once every name seen is one the training data has."""
@@ -99,32 +80,14 @@ class Task:
                              f"(known: {', '.join(names)})")
         return {name: i for i, name in enumerate(names)}
 
-    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple[Optional[list], str]:
-        """What the held-out split is stratified by (one value per example; None: a random split), and how to
-        say so. `labels` are the encoded ones, `names` their names; `held_out` is the number of examples the
-        split holds out; `refusal` begins the error when the labels cannot be split so."""
-        raise NotImplementedError
-
-    # --- the head ----------------------------------------------------------------------------------------
-
     def head_config(self, label_names: list[str]) -> dict:
         """What the model's config takes for this task's head: num_labels, id2label, label2id, problem_type."""
         return dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
                     label2id={name: i for i, name in enumerate(label_names)}, problem_type=self.problem_type)
 
-    # --- outputs and scores ------------------------------------------------------------------------------
-
-    def predictions(self, logits):
-        """Logits (a tensor, examples x outputs) to what the scores take."""
-        raise NotImplementedError
-
     def targets(self, labels):
         """A batch's `labels` as the scores take them."""
         return labels
-
-    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        """The scores by key; `names`: every label the model has (the report's), else those that occur."""
-        raise NotImplementedError
 
     @property
     def metrics(self) -> list[str]:
@@ -145,22 +108,9 @@ class Task:
                 for text, pair in zip(texts, pairs or texts)]
         return [{**row, **fields} for row, fields in zip(rows, self.predicted(logits, names))]
 
-    def predicted(self, logits, names: list[str]) -> list[dict]:
-        """Each example's prediction as the columns predict writes."""
-        raise NotImplementedError
-
     def terminal_line(self, row: dict) -> str:
         """A prediction row as one line: the prediction (`shown`), then the text (and its pair)."""
         return "\t".join([self.shown(row), *(row[column] for column in ("text", "text_pair") if column in row)])
-
-    def shown(self, row: dict) -> str:
-        raise NotImplementedError
-
-    # --- the report ----------------------------------------------------------------------------------------
-
-    def baseline(self):
-        """(the scikit-learn model the report fits on TF-IDF features, what to call it)."""
-        raise NotImplementedError
 
     def figures(self, references: list, predictions: list, names: list[str]) -> dict:
         """What the report adds to the scores (report.json), beside its `picture`."""
@@ -178,14 +128,15 @@ class SingleLabel(Task):
     picture = "confusion_matrix.png"
 
     def label(self, cell, row: str):
-        """A name (str) or an integer."""
-        where = self.where(cell, row)
-        if cell is None or isinstance(cell, (str, int)) and not isinstance(cell, bool):
-            return cell
+        """One cell's label, None where missing; `row` ('<file> row <N>') begins the error of a cell that is not
+        one. Here a class: a name (str) or an integer."""
+        where = f"{row}: label {cell!r} in column '{self.label_column}'"
         if isinstance(cell, bool):  # true/false cells: two names
             return str(cell)
         if isinstance(cell, float) and cell.is_integer():  # 1.0 is class 1 (a JSON writer's integers)
             return int(cell)
+        if cell is None or isinstance(cell, (str, int)):
+            return cell
         if isinstance(cell, float):
             raise InputError(f"{where} is not a class (classes are names or integers); for a number per example "
                              "use --task regression")
@@ -196,9 +147,7 @@ class SingleLabel(Task):
     def check_labels(self, labels: list, rows: list[int], path: str) -> None:
         """No missing label, and integers or names, not both."""
         super().check_labels(labels, rows, path)
-        first = {}  # the first row of each kind of class
-        for row, label in zip(rows, labels):
-            first.setdefault(type(label), (row, label))
+        first = {type(label): (row, label) for row, label in reversed(list(zip(rows, labels)))}  # each type's first
         if len(first) > 1:
             (int_row, number), (str_row, name) = first[int], first[str]
             raise InputError(f"{path}: label column '{self.label_column}' mixes integers (row {int_row}: {number}) "
@@ -206,21 +155,23 @@ class SingleLabel(Task):
                              "an integer")
 
     def label_names(self, labels: list, path: str) -> list[str]:
-        """The labels sorted (numerically for integer labels)."""
+        """The model's outputs in id order (its id2label): here the labels sorted (numerically for integers)."""
         names = [str(label) for label in sorted(set(labels))]
         if len(names) < 2:
             raise InputError(f"{path} has a single label ({names[0]}); a classifier needs at least two")
         return names
 
     def encode_labels(self, labels: list, names: list[str], path: str):
-        """Class ids."""
+        """(the `labels` column the model's loss takes, its `datasets` feature): here class ids."""
         from datasets import ClassLabel
 
         label_id = self.check_known({str(label) for label in labels}, names, path)
         return [label_id[str(label)] for label in labels], ClassLabel(names=names)
 
-    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple[Optional[list], str]:
-        """The labels: each class needs an example on each side."""
+    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
+        """(what the held-out split is stratified by, one value per example or None for a random split, how to say
+        so). `names`: the labels' names; `held_out`: how many examples it holds out; `refusal` begins the error
+        when it cannot be. Here the labels: each class needs an example on each side."""
         counts = Counter(labels)
         scarce = [f"'{names[label] if names else label}' (1 example)" for label in sorted(counts) if counts[label] < 2]
         if scarce:
@@ -229,10 +180,12 @@ class SingleLabel(Task):
         return labels, "stratified by label"
 
     def predictions(self, logits):
-        """The likeliest label's id."""
+        """Logits (a tensor, examples x outputs) to what the scores take: here the likeliest label's id."""
         return logits.argmax(dim=-1)
 
     def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
+        """The scores by key (`scores`). `names`: every label the model has, which the report averages over;
+        else those that occur."""
         from sklearn.metrics import accuracy_score, f1_score
 
         labels = list(range(len(names))) if names else None
@@ -240,14 +193,17 @@ class SingleLabel(Task):
                 "f1": float(f1_score(references, predictions, average="macro", labels=labels, zero_division=0))}
 
     def predicted(self, logits, names: list[str]) -> list[dict]:
-        """`label` (the id), `label_name`, and `prob_<name>` per label (softmax)."""
-        return [{"label": int(p.argmax()), "label_name": names[int(p.argmax())], **probabilities(names, p)}
-                for p in logits.float().softmax(dim=-1)]
+        """Each example's prediction as predict writes it: here `label` (the id), `label_name`, and `prob_<name>`
+        per label (softmax)."""
+        return [{"label": int(p.argmax()), "label_name": names[int(p.argmax())],
+                 **{f"prob_{name}": float(value) for name, value in zip(names, p)}} for p in logits.float().softmax(-1)]
 
     def shown(self, row: dict) -> str:
+        """A prediction as predict prints it, before the text."""
         return f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}"
 
     def baseline(self):
+        """(the scikit-learn model the report fits on TF-IDF features, what to call it)."""
         from sklearn.linear_model import LogisticRegression
 
         # saga: on these sparse, wide features it fits several times faster than lbfgs (the default; figures in
@@ -274,7 +230,8 @@ class MultiLabel(Task):
     main_metric = "eval_micro_f1"
 
     def label(self, cell, row: str) -> list[str]:
-        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label."""
+        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label (so
+        never None, which would be missing)."""
         where = f"{row}: label cell {cell!r}"
         if isinstance(cell, str) and cell.startswith("["):
             try:
@@ -285,15 +242,11 @@ class MultiLabel(Task):
         names = cell.split(self.label_separator) if isinstance(cell, str) else [] if cell is None else cell
         if isinstance(names, int) and not isinstance(names, bool):
             names = [names]
-        if not isinstance(names, list):
-            raise InputError(f"{where} is not a list of label names (expected a list, or names separated by "
-                             f"'{self.label_separator}')")
-        if not all(isinstance(name, str) or (isinstance(name, int) and not isinstance(name, bool)) for name in names):
-            raise InputError(f"{where} holds something other than label names (strings or integers)")
+        if not isinstance(names, list) or any(isinstance(name, bool) or not isinstance(name, (str, int))
+                                              for name in names):
+            raise InputError(f"{where} is not a list of label names (strings or integers), nor names separated by "
+                             f"'{self.label_separator}'")
         return sorted({str(name).strip() for name in names} - {""})
-
-    def check_labels(self, labels: list, rows: list[int], path: str) -> None:
-        """Nothing: an empty cell is an empty set."""
 
     def label_names(self, labels: list, path: str) -> list[str]:
         """Every name of every set, sorted."""
@@ -304,16 +257,13 @@ class MultiLabel(Task):
 
     def encode_labels(self, labels: list, names: list[str], path: str):
         """Multi-hot floats (the loss is binary cross-entropy per label)."""
-        import numpy as np
         from datasets import List, Value
 
-        label_id = self.check_known({name for names in labels for name in names}, names, path)
-        hot = np.zeros((len(labels), len(names)), dtype=np.float32)
-        for row, row_names in enumerate(labels):
-            hot[row, [label_id[name] for name in row_names]] = 1
-        return hot.tolist(), List(Value("float32"), length=len(names))
+        self.check_known({name for names in labels for name in names}, names, path)
+        hot = [[float(name in chosen) for name in names] for chosen in map(set, labels)]
+        return hot, List(Value("float32"), length=len(names))
 
-    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple[Optional[list], str]:
+    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
         """The label sets, where each occurs at least twice and they are fewer than the held-out examples."""
         sets = [" ".join(str(i) for i, hot in enumerate(row) if hot) for row in labels]
         counts = Counter(sets)
@@ -341,7 +291,8 @@ class MultiLabel(Task):
 
     def predicted(self, logits, names: list[str]) -> list[dict]:
         """`label_names` (those above the threshold) and `prob_<name>` per label (sigmoid)."""
-        return [{"label_names": [name for name, hot in zip(names, chosen) if hot], **probabilities(names, p)}
+        return [{"label_names": [name for name, hot in zip(names, chosen) if hot],
+                 **{f"prob_{name}": float(value) for name, value in zip(names, p)}}
                 for chosen, p in zip(self.predictions(logits).tolist(), logits.float().sigmoid())]
 
     def shown(self, row: dict) -> str:
@@ -378,7 +329,8 @@ class Regression(Task):
         except (TypeError, ValueError):
             value = math.nan
         if isinstance(cell, bool) or not math.isfinite(value):
-            raise InputError(f"{self.where(cell, row)} is not a finite number, which --task regression needs")
+            raise InputError(f"{row}: label {cell!r} in column '{self.label_column}' is not a finite number, which "
+                             "--task regression needs")
         return value
 
     def label_names(self, labels: list, path: str) -> list[str]:
@@ -390,7 +342,7 @@ class Regression(Task):
 
         return labels, Value("float32")
 
-    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple[Optional[list], str]:
+    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
         """Quantile bins of the target: as many as keep at least 2 examples in each."""
         import numpy as np
 
@@ -430,10 +382,6 @@ class Regression(Task):
 KINDS = {task.kind: task for task in (SingleLabel, MultiLabel, Regression)}
 
 
-def probabilities(names: list[str], values) -> dict:
-    return {f"prob_{name}": float(value) for name, value in zip(names, values)}
-
-
 def label_table(references: list, predictions: list, names: list[str], text: bool = False):
     """Precision, recall, F1 and support per label (ids, or 0/1 rows), by name; `text`: as printed."""
     from sklearn.metrics import classification_report
@@ -448,11 +396,9 @@ def label_table(references: list, predictions: list, names: list[str], text: boo
 
 def correlation(function, predictions, references) -> Optional[float]:
     """None where a correlation is undefined (fewer than two examples, or a constant side), not SciPy's nan."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # SciPy warns on constant input; None says it
-        value = float(function(predictions, references)[0]) if len(predictions) > 1 else math.nan
+    if min(len(set(predictions)), len(set(references))) < 2:
+        return None
+    value = float(function(predictions, references)[0])
     return None if math.isnan(value) else value
 
 
