@@ -8,8 +8,11 @@ be the same run bit for bit. Its export loads in `pipeline`, which applies the t
 Bad task input (a missing pair column, a label cell that does not parse, ...) is in test_train.py's table.
 """
 
+import dataclasses
 import json
 import math
+import re
+import typing
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, pipeline
 
 from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, train_forked
 from textclf.data import clean_text
+from textclf.errors import InputError
 from textclf.loading import load_trained
 from textclf.predict import predict_logits
 from textclf.task import Task
@@ -272,3 +276,23 @@ def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
         (tmp_path / f"step_{step}" / "position.json").write_text(json.dumps({"metrics": {"eval_mse": mse}}))
     rotate(str(tmp_path), keep=1, metric="eval_mse", protect=None, greater_is_better=False)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_20", "step_40"]
+
+
+def test_the_kind_docs_tasks_md_adds_works_and_passes_its_own_test(monkeypatch):
+    """docs/tasks.md's worked example, pasted as a reader would: the class into textclf/task.py, named in KINDS
+    (which --task offers), and its test."""
+    import textclf.task
+    from textclf.config import TrainConfig
+
+    task_field = next(field for field in dataclasses.fields(TrainConfig) if field.name == "task")
+    assert typing.get_args(task_field.type) == tuple(textclf.task.KINDS)  # --task offers the registry's kinds
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "tasks.md").read_text(encoding="utf-8"), re.S)
+    [kind] = [block for block in blocks if "class Ordinal" in block]
+    [test] = [block for block in blocks if "def test_" in block]
+    module = dict(vars(textclf.task))
+    exec(kind, module)
+    monkeypatch.setitem(textclf.task.KINDS, "ordinal", module["Ordinal"])
+    tests = {"pytest": pytest, "torch": torch, "Task": Task, "InputError": InputError}
+    exec(test, tests)
+    [run] = [function for name, function in tests.items() if name.startswith("test_")]
+    run()
