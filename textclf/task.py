@@ -185,7 +185,7 @@ class SingleLabel(Task):
 
     def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
         """The scores by key (`scores`). `names`: every label the model has, which the report averages over;
-        else those that occur."""
+        else those that occur. scikit-learn's and SciPy's, as `evaluate`'s metric scripts (on the Hub) call them."""
         from sklearn.metrics import accuracy_score, f1_score
 
         labels = list(range(len(names))) if names else None
