@@ -242,6 +242,17 @@ def test_each_tasks_scores_and_which_way_is_better():
     assert not task.greater_is_better("eval_mse") and task.greater_is_better("eval_pearson")
 
 
+def test_each_kind_gives_the_model_config_its_head():
+    """What the model factory sets on the config: the outputs by name, and the problem type that picks the loss."""
+    heads = {kind: Task.of(kind, "t", "l").head_config(["a", "b"]) for kind in ("single_label", "multi_label")}
+    assert heads["single_label"] == {"num_labels": 2, "id2label": {0: "a", 1: "b"}, "label2id": {"a": 0, "b": 1},
+                                     "problem_type": "single_label_classification"}
+    assert heads["multi_label"]["problem_type"] == "multi_label_classification"
+    regression = Task.of("regression", "t", "l")
+    head = regression.head_config(regression.label_names([1.5, 2.0], "f"))
+    assert head == {"num_labels": 1, "id2label": {0: "score"}, "label2id": {"score": 0}, "problem_type": "regression"}
+
+
 def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
     from textclf.config import parse_config
     from textclf.errors import InputError

@@ -36,7 +36,6 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
                  "inverse_sqrt")
 
 
-
 def default_learning_rate(model: str, lora: bool) -> float:
     if model.startswith("scratch-"):
         return DEFAULT_LEARNING_RATES["scratch models"]
