@@ -7,9 +7,8 @@ Prints the task's scores (textclf/task.py) for the model and for a TF-IDF + line
 the examples the model was trained on (textclf/baseline.py), then what the task adds (Task.figures: a
 precision / recall / F1 / support table per class or per label, with their names). Writes it all to
 <output_dir>/report.json, and draws the task's picture (Task.picture: the confusion matrix, or the
-predicted against the true scores). The task, the columns and the
-training data are those of the run that trained the model (its training.json, or a checkpoint's
-position.json) unless given here.
+predicted against the true scores). The task, the columns and the training data are those of the run
+that trained the model (its training.json, or a checkpoint's position.json) unless given here.
 """
 
 import argparse
@@ -51,6 +50,7 @@ if __name__ == "__main__":
 
 import numpy as np
 from datasets import Dataset
+from sklearn.metrics import classification_report
 from transformers.utils import logging as transformers_logging
 
 from .baseline import baseline_predictions
@@ -58,7 +58,7 @@ from .checkpoint import write_json
 from .data import DEFAULT_DATA, fingerprint, load_splits, read_labelled
 from .loading import load_trained, read_training
 from .predict import inference_accelerator, label_names, predict_logits, run_config
-from .task import Task, label_table
+from .task import Task
 
 
 def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path: str) -> Dataset:
@@ -190,7 +190,8 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
         elif not args.no_baseline:
             print(f"baseline: none ({args.model} does not say what it was trained on; pass --train_data)")
         if "labels" in report:  # a task with a table per label
-            print(label_table(references, predictions, names, text=True))
+            print(classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
+                                        digits=4, zero_division=0))
         os.makedirs(args.output_dir, exist_ok=True)
         write_json(os.path.join(args.output_dir, REPORT), report)
         picture = task.picture

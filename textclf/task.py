@@ -230,8 +230,7 @@ class MultiLabel(Task):
     main_metric = "eval_micro_f1"
 
     def label(self, cell, row: str) -> list[str]:
-        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label (so
-        never None, which would be missing)."""
+        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label, []."""
         where = f"{row}: label cell {cell!r}"
         if isinstance(cell, str) and cell.startswith("["):
             try:
@@ -382,14 +381,12 @@ class Regression(Task):
 KINDS = {task.kind: task for task in (SingleLabel, MultiLabel, Regression)}
 
 
-def label_table(references: list, predictions: list, names: list[str], text: bool = False):
-    """Precision, recall, F1 and support per label (ids, or 0/1 rows), by name; `text`: as printed."""
+def label_table(references: list, predictions: list, names: list[str]) -> dict:
+    """Precision, recall, F1 and support per label (ids, or 0/1 rows), by name."""
     from sklearn.metrics import classification_report
 
     table = classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
-                                  output_dict=not text, digits=4, zero_division=0)
-    if text:
-        return table
+                                  output_dict=True, zero_division=0)
     return {name: {"precision": table[name]["precision"], "recall": table[name]["recall"],
                    "f1": table[name]["f1-score"], "support": int(table[name]["support"])} for name in names}
 
