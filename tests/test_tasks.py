@@ -242,6 +242,12 @@ def test_each_tasks_scores_and_which_way_is_better():
     assert not task.greater_is_better("eval_mse") and task.greater_is_better("eval_pearson")
 
 
+def test_a_task_is_made_by_its_kind():
+    assert type(Task.of("multi_label", "t", "l")).__name__ == "MultiLabel"
+    with pytest.raises(TypeError, match=r"Task.of\(kind, ...\)"):
+        Task("single_label", "t", "l")
+
+
 def test_each_kind_gives_the_model_config_its_head():
     """What the model factory sets on the config: the outputs by name, and the problem type that picks the loss."""
     heads = {kind: Task.of(kind, "t", "l").head_config(["a", "b"]) for kind in ("single_label", "multi_label")}

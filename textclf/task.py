@@ -36,6 +36,10 @@ class Task:
     fewest_labels: ClassVar[int] = 1  # the smallest head (for the check, which reads no data)
     picture: ClassVar[Optional[str]] = None  # the file report draws (report.DRAWINGS)
 
+    def __post_init__(self):
+        if type(self) is Task:  # Task("single_label", ...) would take the kind for the text column
+            raise TypeError("Task is what the kinds share: make one with Task.of(kind, ...) or a kind's class")
+
     @staticmethod
     def of(kind: str, *columns, **options) -> "Task":
         """The task of kind `kind` (a key of KINDS): `Task.of("regression", "review", "stars")`."""
