@@ -62,8 +62,8 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     return Job(train_set, eval_set, label_names, tokenizer, model, data_fingerprint)
 
 
-# A waiting rank is silent while the local main process prepares the data: a minute or so per million rows on two
-# cores. Past this, it says what it waits for, and again as often; TEXTCLF_WAIT_NOTE_S overrides it (tests).
+# The other ranks are silent while the local main process prepares the data, minutes for millions of rows: past
+# this, a rank says what it waits for, and again as often. TEXTCLF_WAIT_NOTE_S overrides it (the tests).
 WAIT_NOTE_S = 60.0
 
 
