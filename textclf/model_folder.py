@@ -206,7 +206,7 @@ def load_folder(folder: str, trust_remote_code: bool = False):
         model = make_model(config, read_weights(folder, base_weight_files(folder)), lora=folder, source=folder,
                            trust_remote_code=trust_remote_code)
     else:
-        model = make_model(config, folder, complete=True, torch_dtype="auto", trust_remote_code=trust_remote_code)
+        model = make_model(config, folder, complete=True, trust_remote_code=trust_remote_code)
     return model.eval(), load_tokenizer(folder, trust_remote_code)
 
 

@@ -193,8 +193,8 @@ def training_config(model: str, tokenizer, label_names: list[str], max_length: i
 
 
 def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: bool = False,
-               source: str = "the trained model", torch_dtype: str = "float32", gradient_checkpointing: bool = False,
-               trust_remote_code: bool = False) -> PreTrainedModel:
+               source: str = "the trained model", torch_dtype: Optional[str] = None,
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> PreTrainedModel:
     """Every model of the project, as a MODEL_CLASS of `config`: to train, to read back, for the check.
 
     `weights`: None for fresh random ones (a scratch model; none at all under `torch.device("meta")`, the
@@ -204,18 +204,19 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
     names it in the refusal.
     `lora`: None; LoRA's settings (apply_lora's keywords) for new adapters; or a folder holding trained
     ones (an exported LoRA folder, whose base `weights` then holds). `torch_dtype` is the dtype the weights
-    are loaded and kept in (a name of a torch dtype, or "auto" for the checkpoint's).
+    are loaded and kept in: a name of a torch dtype, or "auto" for the checkpoint's; None for the libraries'
+    defaults (from_pretrained: float32; from_config: the config's dtype, the trained model's).
     """
-    dtype = getattr(torch, torch_dtype) if torch_dtype != "auto" else "auto"
+    dtype = {} if torch_dtype in (None, "auto") else {"dtype": getattr(torch, torch_dtype)}
     if isinstance(weights, str):
         try:
             with nullcontext() if complete else load_report_as_one_line(weights):
                 model, info = MODEL_CLASS.from_pretrained(
-                    weights, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True,
-                    trust_remote_code=trust_remote_code)
+                    weights, config=config, ignore_mismatched_sizes=True, output_loading_info=True,
+                    trust_remote_code=trust_remote_code, **({"dtype": "auto"} if torch_dtype == "auto" else dtype))
         except SafetensorError as e:
             raise InputError(f"cannot load a model from {weights}: a weights file is damaged or incomplete "
-                             f"({str(e).splitlines()[0]}); export it again") from None
+                             f"({str(e).splitlines()[0]})" + ("; export it again" if complete else "")) from None
         except (OSError, ValueError, KeyError) as e:
             raise load_refused(weights, e, f"cannot load a model from {weights}") from None
         except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
@@ -227,8 +228,7 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
                              f"{', '.join(sorted(map(str, incomplete))[:3])}")
     else:
         try:
-            model = MODEL_CLASS.from_config(config, trust_remote_code=trust_remote_code,
-                                            **({"dtype": dtype} if dtype != "auto" else {}))
+            model = MODEL_CLASS.from_config(config, trust_remote_code=trust_remote_code, **dtype)
         except ValueError as e:
             raise load_refused(source, e, f"cannot build the model of {source}") from None
     # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
