@@ -15,7 +15,6 @@ import re
 import shutil
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -361,27 +360,20 @@ def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, 
     if eval_data:
         held_out, _ = read_labelled(eval_data, task, delimiter, encoding, names)
     else:
-        train, held_out = hold_out(train, data, task, eval_split, seed)
+        train, held_out = hold_out(train, names, data, task, eval_split, seed)
     say(f"data: labels and split: {len(train):,} train / {len(held_out):,} eval examples in "
         f"{time.perf_counter() - start:.1f} s")
     return train, held_out, names
 
 
-def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int):
+def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split: float, seed: int):
     """Split off `eval_split` of the examples, stratified as the task says it can be, and say how."""
-    strata, how = task.strata(train["labels"][:], held_out=math.ceil(eval_split * len(train)))
+    strata, how = task.strata(train["labels"][:], math.ceil(eval_split * len(train)), names,
+                              f"cannot hold out {eval_split:.0%} of {path}")
     say(f"eval: {eval_split:.0%} of {path} held out, {how}")
     if strata is None:
         split = train.train_test_split(test_size=eval_split, seed=seed)
         return split["train"], split["test"]
-    if task.kind == "single_label":  # each class needs an example on each side
-        counts = Counter(strata)
-        names = train.features["labels"].names
-        scarce = [f"'{names[label]}' ({counts[label]} example)" for label in sorted(counts) if counts[label] < 2]
-        if scarce:
-            raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: class(es) {', '.join(scarce)} need at "
-                             "least 2 examples, one on each side; add examples, or give a held-out file with "
-                             "--eval_data")
     stratum_id = {stratum: i for i, stratum in enumerate(sorted(set(strata)))}
     with_strata = train.add_column("stratum", [stratum_id[stratum] for stratum in strata],
                                    feature=ClassLabel(num_classes=len(stratum_id)))
