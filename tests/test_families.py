@@ -36,6 +36,7 @@ from textclf.errors import InputError
 from textclf.loading import load_trained
 from textclf.modeling import apply_lora, get_tokenizer, make_model, model_config, parameter_groups, training_config
 from textclf.predict import predict_logits
+from textclf.task import Task
 
 ZOO = REPO / "accelerate_configs"
 STRATEGIES = {"single": None, "ddp": "cpu.yaml", "zero3": "zero3.yaml"}
@@ -55,7 +56,8 @@ def family_args(folder, reviews_csv, cache_dir, *extra):
 
 def to_train(model: str, tokenizer, label_names: list[str], **options):
     """The model train.py builds to fine-tune `model` (job.py's two calls), at max_length 32."""
-    return make_model(training_config(model, tokenizer, label_names, 32), model, **options)
+    head = Task.of("single_label", "text", "label").head_config(label_names)
+    return make_model(training_config(model, tokenizer, head, 32), model, **options)
 
 @pytest.fixture(scope="module")
 def family_run(tmp_path_factory, family_model, reviews_csv, cache_dir):

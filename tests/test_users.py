@@ -325,7 +325,7 @@ def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
     model, tokenizer = pretrained_backbone
-    built = make_model(training_config(model, tokenizer, ["a", "b"], 32), model, gradient_checkpointing=True)
+    built = make_model(training_config(model, tokenizer, {"num_labels": 2}, 32), model, gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         apply_lora(built, 4, 8, 0.0)

@@ -50,8 +50,8 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
         tokenizer = get_tokenizer(cfg.model, texts, cfg.cache_dir, texts_key, cfg.max_length, cfg.trust_remote_code)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length, num_proc=tokenizing_processes(len(split)),
                                         show_progress=True) for split in (train_set, eval_set))
-    config = training_config(cfg.model, tokenizer, label_names, cfg.max_length, config=config,
-                             problem_type=Task.from_config(cfg).problem_type, trust_remote_code=cfg.trust_remote_code)
+    config = training_config(cfg.model, tokenizer, Task.from_config(cfg).head_config(label_names), cfg.max_length,
+                             config=config, trust_remote_code=cfg.trust_remote_code)
     model = make_model(config, None if scratch_size(cfg.model) else cfg.model, lora=lora_settings(cfg),
                        torch_dtype=cfg.torch_dtype, gradient_checkpointing=cfg.gradient_checkpointing,
                        trust_remote_code=cfg.trust_remote_code)

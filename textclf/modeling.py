@@ -171,20 +171,16 @@ def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> Bert
                       max_position_embeddings=max(512, max_length), **SCRATCH_SIZES[size], **extra)
 
 
-def training_config(model: str, tokenizer, label_names: list[str], max_length: int, *,
-                    problem_type: Optional[str] = None, config: Optional[PretrainedConfig] = None,
+def training_config(model: str, tokenizer, head: dict, max_length: int, *, config: Optional[PretrainedConfig] = None,
                     trust_remote_code: bool = False) -> PretrainedConfig:
     """The config of the model to train: a scratch BERT's, or `model`'s own (`config` when the caller has read
-    it already with model_config), carrying the label names of the data, the task's `problem_type` (which
-    picks the model's loss: cross-entropy, binary cross-entropy per label, or squared error) and the
-    tokenizer's pad token."""
-    labels = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-                  label2id={name: i for i, name in enumerate(label_names)}, problem_type=problem_type)
+    it already with model_config), carrying the task's head (Task.head_config: the label names of the data
+    and the `problem_type` that picks the model's loss) and the tokenizer's pad token."""
     size = scratch_size(model)
     if size:
-        return scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **labels)
+        return scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **head)
     config = config or model_config(model, max_length, trust_remote_code)
-    for key, value in labels.items():
+    for key, value in head.items():
         setattr(config, key, value)
     config.pad_token_id = tokenizer.pad_token_id  # what decoder heads look for to find each text's last token
     if hasattr(config, "use_cache"):
