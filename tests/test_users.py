@@ -320,12 +320,12 @@ def pretrained_backbone(tmp_path_factory):
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
         pretrained_backbone, capfd, caplog, monkeypatch, verbose):
-    from textclf.modeling import apply_lora, build_model
+    from textclf.modeling import apply_lora, make_model, training_config
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
     model, tokenizer = pretrained_backbone
-    built = build_model(model, tokenizer, ["a", "b"], 32, gradient_checkpointing=True)
+    built = make_model(training_config(model, tokenizer, {"num_labels": 2}, 32), model, gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         apply_lora(built, 4, 8, 0.0)

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TrainConfig
 from .data import fingerprint, load_splits, sample_key, text_sample, tokenize, tokenizing_processes
-from .modeling import apply_lora, build_model, get_tokenizer, model_config
+from .modeling import get_tokenizer, lora_settings, make_model, model_config, scratch_size, training_config
 from .task import Task
 
 
@@ -54,11 +54,11 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
         tokenizer = get_tokenizer(cfg.model, texts, cfg.cache_dir, texts_key, cfg.max_length, cfg.trust_remote_code)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length, num_proc=tokenizing_processes(len(split)),
                                         show_progress=True) for split in (train_set, eval_set))
-    model = build_model(cfg.model, tokenizer, label_names, cfg.max_length,
-                        problem_type=Task.from_config(cfg).problem_type, config=config, torch_dtype=cfg.torch_dtype,
-                        gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
-    if cfg.lora:  # before prepare: DDP and DeepSpeed must see which parameters train
-        model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    config = training_config(cfg.model, tokenizer, Task.from_config(cfg).head_config(label_names), cfg.max_length,
+                             config=config, trust_remote_code=cfg.trust_remote_code)
+    model = make_model(config, None if scratch_size(cfg.model) else cfg.model, lora=lora_settings(cfg),
+                       torch_dtype=cfg.torch_dtype, gradient_checkpointing=cfg.gradient_checkpointing,
+                       trust_remote_code=cfg.trust_remote_code)
     return Job(train_set, eval_set, label_names, tokenizer, model, data_fingerprint)
 
 
