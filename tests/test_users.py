@@ -295,7 +295,7 @@ def test_help_and_command_line_errors_answer_before_torch_is_imported(command, s
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == status and said in result.stdout + result.stderr, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
-    assert not {"torch", "datasets", "accelerate"} & imported
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
 
 
 # --- quiet by default --------------------------------------------------------------------------------------
