@@ -14,10 +14,13 @@ if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
 
 from textclf.config import TrainConfig, parse_config
+from textclf.launch import check_resume_launch, launch_shortfall
 
 if __name__ == "__main__":
-    # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s).
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s);
+    # so does a resume that this launch cannot continue.
     cfg = run_command(parse_config)
+    run_command(lambda: check_resume_launch(cfg))
 
 import math
 import os
@@ -34,7 +37,7 @@ from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, launch_shortfall, make_accelerator
+from textclf.runtime import describe, exit_finished_run, make_accelerator
 from textclf.task import Task
 
 

@@ -229,7 +229,7 @@ def one_process_yaml(tmp_path):
 
 
 def test_a_launch_that_starts_fewer_processes_than_asked_is_said_by_the_checks_rule(tmp_path):
-    from textclf.runtime import launch_shortfall
+    from textclf.launch import launch_shortfall
 
     yaml = one_process_yaml(tmp_path)
     line = launch_shortfall(1, ["--config_file", yaml, "--num_processes", "2", "train.py", "--max_steps", "3"])
@@ -296,6 +296,69 @@ def test_help_and_command_line_errors_answer_before_torch_is_imported(command, s
     assert result.returncode == status and said in result.stdout + result.stderr, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
+def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from textclf.checkpoint import sealed
+
+    checkpoint = tmp_path / "out" / "step_3"
+    checkpoint.mkdir(parents=True)
+    position = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "world_size": 1, "zero_stage": 3, "mixed_precision": "no"}
+    (checkpoint / "position.json").write_text(json.dumps(sealed(position)))
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(said) == 1, result.stderr[-2000:]
+    assert said[0].startswith(f"error: cannot resume from {checkpoint}: it was made by a launch with DeepSpeed ZeRO "
+                              "stage 3 (this launch: None)") and "accelerate_configs/zero3.yaml" in said[0]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
+@pytest.mark.parametrize("env, launch", [
+    ({}, {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}),
+    ({"WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "bf16"},
+     {"num_processes": 2, "zero_stage": None, "mixed_precision": "bf16"}),
+    ({"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no",
+      "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"},
+     {"num_processes": 2, "zero_stage": 3, "mixed_precision": "no"}),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"},
+     {"num_processes": 1, "zero_stage": 1, "mixed_precision": "no"}),
+])
+def test_the_launch_read_before_the_imports_is_the_one_the_accelerator_describes(monkeypatch, env, launch):
+    """What train.py checks a resume against before torch loads; the zoo's runs record the Accelerator's account
+    of the same launch in run.json (test_zoo), which this reading must agree with."""
+    from conftest import REPO
+    from textclf.launch import this_launch
+
+    for name in ("WORLD_SIZE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_DEEPSPEED",
+                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(REPO)
+    assert this_launch(None) == launch
+
+
+def test_checkpoint_positions_are_read_without_torch_and_name_accelerate_s_fsdp_folder():
+    import subprocess
+    import sys
+
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+
+    from conftest import REPO
+    from textclf.checkpoint import FSDP_SHARDED
+
+    assert FSDP_SHARDED == f"{FSDP_MODEL_NAME}_0"  # written out in checkpoint.py, which must not import accelerate
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import textclf.checkpoint, textclf.launch"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "accelerate"} & imported
 
 
 # --- quiet by default --------------------------------------------------------------------------------------

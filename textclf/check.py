@@ -60,6 +60,7 @@ import torch
 
 from .data import sample_key
 from .job import load_data
+from .launch import fewer_processes, zero_offload
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
     apply_lora,
@@ -71,7 +72,7 @@ from .modeling import (
     scratch_size,
     scratch_tokenizer_folder,
 )
-from .runtime import COMPILE_REFUSED, check_deepspeed_config, fewer_processes, zero_offload
+from .runtime import COMPILE_REFUSED, check_deepspeed_config
 from .task import Task
 from .theory import (
     BYTES_PER_PARAM,

@@ -12,7 +12,6 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Optional
 
 import psutil
 import torch
@@ -23,6 +22,7 @@ from accelerate.utils import DynamoBackend, LoggerType, is_wandb_available
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, verbose
+from .launch import read_deepspeed_file, resolve_precision, zero_offload
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower
 # (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
@@ -84,19 +84,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     return accelerator
 
 
-def read_deepspeed_file(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as e:
-        raise InputError(f"cannot read DeepSpeed config {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise InputError(f"DeepSpeed config {path} is not a JSON object")
-    return config
-
-
 def check_deepspeed_config(config: dict, place: str) -> None:
     """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
     not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
@@ -119,20 +106,6 @@ def check_deepspeed_config(config: dict, place: str) -> None:
         raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
     except (ValueError, TypeError, AssertionError, KeyError) as e:
         raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
-
-
-def resolve_precision(asked):
-    """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
-
-    `accelerate launch` always sets ACCELERATE_MIXED_PRECISION (from its --mixed_precision or the yaml),
-    and the Accelerator would let the script's value win without a word.
-    """
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if asked and launched and asked != launched:
-        raise InputError(f"--mixed_precision {asked} contradicts the launch, which runs {launched} (accelerate "
-                         "launch's --mixed_precision or the yaml's mixed_precision): set it on the launch line, "
-                         "or drop --mixed_precision")
-    return asked or launched or "no"
 
 
 def check_trackers(report_to: list[str]) -> None:
@@ -167,57 +140,6 @@ def check_trackers(report_to: list[str]) -> None:
         if not offline and not wandb.login(verify=False, prompt=False):
             raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
                              "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
-
-
-def fewer_processes(started: int, requested: int, distributed_type: str, path: Optional[str]) -> Optional[str]:
-    """The line that says a launch starts fewer processes than asked for (train.py warns, the check refuses), or
-    None. accelerate's simple launcher, which NO and MULTI_CPU (without mpirun) yamls get, starts one."""
-    if started >= requested:
-        return None
-    return (f"{path or 'the launch'}: distributed_type {distributed_type} starts a single process"
-            f"{' without mpirun' if distributed_type == 'MULTI_CPU' else ''}, not the {requested} asked for; for "
-            "several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU (train.py uses gloo there), or "
-            "--multi_gpu on the launch line")
-
-
-def launch_shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional[str]:
-    """fewer_processes for the `accelerate launch` that started this run: its line (by default the parent
-    process's) read as accelerate reads it, with the yaml or the default config that `accelerate config` wrote.
-    None when it asked for no more than started, or when no `accelerate launch` started this run."""
-    if launch_line is None:
-        if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # set by every `accelerate launch`
-            return None
-        command = psutil.Process().parent().cmdline()
-        ends = [i for i, arg in enumerate(command) if arg == "launch" or arg.endswith("accelerate.commands.launch")]
-        if not ends:
-            return None
-        launch_line = command[ends[0] + 1:]
-    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
-    try:
-        args = launch_command_parser().parse_args(launch_line)
-        logger = logging.getLogger("accelerate.commands.launch")
-        level = logger.level
-        logger.setLevel(logging.ERROR)  # its warnings about defaults were printed by the launch itself
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                # accelerate's private merge of the yaml and the launch line: what its launcher itself reads
-                args = _validate_launch_command(args)[0]
-        finally:
-            logger.setLevel(level)
-        path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-        kind = load_config_from_file(path).distributed_type if path else "NO"
-    except (SystemExit, Exception):  # a line this accelerate reads otherwise: nothing to say about it
-        return None
-    return fewer_processes(started, args.num_processes or 1, str(getattr(kind, "value", kind)), path)
-
-
-def zero_offload(zero_optimization: dict) -> dict[str, str]:
-    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
-    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
-    return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
