@@ -61,7 +61,6 @@ def fake_wandb(logged_in: bool):
 ])
 def test_a_tracker_that_cannot_start_is_refused(monkeypatch, report_to, modules, message):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setattr(runtime, "is_wandb_available", lambda: True)
     monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)

@@ -1,6 +1,7 @@
 """What users type and what their tools see: labels as people write them, trackers, the command line's
 answers. In-process where the behaviour allows it (the functions are called, their InputError caught)."""
 
+import json
 import re
 import warnings
 
@@ -161,7 +162,8 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
         out = tmp_path / str(project)
         cfg = TrainConfig(report_to=["tensorboard", "recorder"], run_name="first", project_name=project,
                           output_dir=str(out))
-        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir,
+                                                                       cfg.project_name, cfg.run_name),
                                   project_dir=cfg.output_dir)
         tracking.start_trackers(accelerator, cfg.to_dict())
         for step in (1, 2):
@@ -172,6 +174,27 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
     events = EventAccumulator(str(tmp_path / "None" / "tensorboard" / "first"))
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
+    # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call
+    logged = [json.loads(line) for line in (tmp_path / "None" / tracking.LOG).read_text().splitlines()]
+    assert [(row["step"], row["loss"]) for row in logged] == [(1, 1.0), (2, 0.5)]
+
+
+@pytest.mark.parametrize("project, variable, experiment", [
+    (None, None, "Default"), ("reviews", None, "reviews"), (None, "from-env", "from-env"),
+])
+def test_mlflow_s_experiment_is_never_none(monkeypatch, tmp_path, project, variable, experiment):
+    """mlflow is not installed here: the experiment is what accelerate's MLflowTracker will start under
+    (--project_name, or MLFLOW_EXPERIMENT_NAME, else mlflow's Default experiment as under the Trainer)."""
+    from accelerate.tracking import MLflowTracker
+
+    from textclf import tracking
+
+    if variable:
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", variable)
+    else:
+        monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    [mlflow] = [t for t in tracking.trackers(["mlflow"], str(tmp_path), project, "first") if t.name == "mlflow"]
+    assert isinstance(mlflow, MLflowTracker) and (mlflow.experiment_name, mlflow.run_name) == (experiment, "first")
 
 
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import importlib
 import io
 import json
 import logging
@@ -17,7 +18,7 @@ import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-from accelerate.utils import DynamoBackend, LoggerType, is_wandb_available
+from accelerate.utils import DynamoBackend, LoggerType
 
 from . import tracking
 from .config import TrainConfig
@@ -61,7 +62,7 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
             step_scheduler_with_optimizer=False,
-            log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+            log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.project_name, cfg.run_name),
             project_dir=cfg.output_dir,
             # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
             # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
@@ -111,35 +112,32 @@ def check_deepspeed_config(config: dict, place: str) -> None:
 def check_trackers(report_to: list[str]) -> None:
     """Stop now, before anything is written, if a tracker asked for is unknown or cannot start.
 
-    Accelerate drops a tracker whose package is missing without a word (a debug log), and wandb
-    without a login fails only in `init_trackers`, after run.json is written.
+    Accelerate drops a tracker whose package is missing without a word (a debug log), its is_*_available
+    find a package without importing it, and wandb without a login fails only in `init_trackers`, after
+    run.json is written.
     """
     asked = " ".join(report_to)
-    for name in report_to:
-        if name in ("none", "all"):
+    available = [str(name) for name in get_available_trackers()]  # accelerate's is_<tracker>_available
+    for name in available if report_to == ["all"] else report_to:
+        if name == "none":
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
             raise InputError(f"--report_to {asked}: unknown tracker '{name}'; accelerate knows "
                              f"{', '.join(LOGGER_TYPE_TO_CLASS)} (or pass all or none)")
-        if name in map(str, LoggerType) and name not in map(str, get_available_trackers()):
+        if name not in map(str, LoggerType):
+            continue  # one registered by the user's code, which imports it
+        if name not in available:
             raise InputError(f"--report_to {asked}, but {name} is not installed; pip install {name}, or leave it "
                              "out of --report_to")
-    if "tensorboard" in report_to:
-        try:
-            import torch.utils.tensorboard  # noqa: F401  (what accelerate's TensorBoardTracker imports)
+        try:  # what accelerate's tracker imports when it starts
+            package = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
         except ImportError as e:
-            raise InputError(f"--report_to {asked}, but tensorboard cannot be imported ({e}); "
-                             "pip install tensorboard, or pass --report_to none") from None
-    if "wandb" in report_to or ("all" in report_to and is_wandb_available()):
-        try:
-            import wandb
-        except ImportError as e:
-            raise InputError(f"--report_to {asked}, but wandb cannot be imported ({e}); "
-                             "pip install wandb, or pass --report_to tensorboard or none") from None
+            raise InputError(f"--report_to {asked}, but {name} cannot be imported ({e}); pip install {name}, or "
+                             "leave it out of --report_to") from None
         offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
-        if not offline and not wandb.login(verify=False, prompt=False):
+        if name == "wandb" and not offline and not package.login(verify=False, prompt=False):
             raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
-                             "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
+                             "`wandb login`); log in, set WANDB_MODE=offline, or leave it out of --report_to")
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
