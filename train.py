@@ -24,6 +24,7 @@ if __name__ == "__main__":
 
 import math
 import os
+import pickle
 import signal
 
 import torch
@@ -101,7 +102,7 @@ def main(cfg: TrainConfig) -> None:
     if resume_from:
         try:
             accelerator.load_state(resume_from)
-        except Exception as e:  # a truncated file, a foreign pickle, a shape mismatch: all mean "bad checkpoint"
+        except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
             raise InputError(f"cannot load checkpoint {resume_from}: {str(e).splitlines()[0]}") from None
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
 

@@ -93,6 +93,7 @@ def read_launch(args: argparse.Namespace) -> dict:
     simple launcher starts one, whatever num_processes says), and its environment is what train.py's
     Accelerator and DeepSpeedPlugin read.
     """
+    import yaml
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
@@ -102,7 +103,7 @@ def read_launch(args: argparse.Namespace) -> dict:
             raise InputError(f"accelerate config not found: {path}")
         try:
             yaml_config = load_config_from_file(path)
-        except Exception as e:  # yaml syntax, unknown keys, an unknown distributed_type: all mean "unreadable"
+        except (yaml.YAMLError, ValueError, AttributeError) as e:  # syntax; an unknown key or value; not a mapping
             raise InputError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
         if not isinstance(getattr(yaml_config.distributed_type, "value", yaml_config.distributed_type), str):
             raise InputError(f"{path}: distributed_type is {yaml_config.distributed_type!r}; quote it "

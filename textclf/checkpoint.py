@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -399,7 +400,7 @@ def verify_files(checkpoint: str, position: dict) -> None:
                 from accelerate.utils import load
 
                 states = load(os.path.join(checkpoint, name))  # as Accelerate reads it: weights_only
-            except Exception as e:  # unpickling raises anything; all of it means "not an RNG state"
+            except (pickle.UnpicklingError, EOFError, RuntimeError) as e:  # torch.load's words for "not a state"
                 states = e
             rng_keys = {"random_state", "numpy_random_seed", "torch_manual_seed"}
             if not (isinstance(states, dict) and rng_keys <= states.keys()):
