@@ -115,7 +115,7 @@ def read_launch(args: argparse.Namespace) -> dict:
             if (value := getattr(args, name)) is not None] + (["--multi_gpu"] if args.multi_gpu else [])
     launch_args = launch_command_parser().parse_args([*line, "train.py"])
     with quiet_accelerate():
-        try:
+        try:  # accelerate's private merge of yaml and line, the one its launcher reads; test_check fails if it changes
             launch_args, _, precision_from_yaml = _validate_launch_command(launch_args)
         except ValueError as e:
             raise InputError(f"accelerate launch would refuse this launch: {str(e).splitlines()[0]}") from None

@@ -219,7 +219,10 @@ def load_deepspeed_ops(names: list[str]) -> dict[str, float]:
     """
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
-    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds: the lock's folder
+
+    # Where torch's load() builds, and so holds its lock: private, with no public counterpart (test_faults
+    # fails if it changes).
+    from torch.utils.cpp_extension import _get_build_directory
 
     local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
     seconds = {}
