@@ -14,13 +14,13 @@ if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
 
 from textclf.config import TrainConfig, parse_config
-from textclf.launch import check_resume_launch, launch_shortfall
+from textclf.launch import check_launch_early, launch_shortfall
 
 if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s);
-    # so does a resume that this launch cannot continue.
+    # so do a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
-    run_command(lambda: check_resume_launch(cfg))
+    run_command(lambda: check_launch_early(cfg))
 
 import math
 import os

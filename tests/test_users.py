@@ -321,6 +321,25 @@ def test_help_and_command_line_errors_answer_before_torch_is_imported(command, s
     assert not {"torch", "transformers", "datasets", "accelerate"} & imported
 
 
+@pytest.mark.parametrize("env, said", [
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, "error: --mixed_precision bf16 contradicts the launch, which runs no"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "nowhere.json"},
+     "error: cannot read DeepSpeed config nowhere.json: No such file or directory"),
+])
+def test_a_launch_that_contradicts_itself_answers_before_torch_is_imported(env, said):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--mixed_precision", "bf16"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
 def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_path):
     import json
     import subprocess

@@ -30,14 +30,16 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
             "mixed_precision": precision}
 
 
-def check_resume_launch(cfg) -> None:
-    """Refuse a resume that this launch cannot continue before the heavy imports and any data are read, with
-    the launch that can (train.py checks again once the Accelerator exists)."""
+def check_launch_early(cfg) -> None:
+    """Before the heavy imports and any data: refuse a launch that contradicts itself (a --mixed_precision other
+    than the launch's, an unreadable DeepSpeed JSON), and a resume that it cannot continue, giving the launch that
+    can (train.py checks the resume again once the Accelerator exists)."""
     from .checkpoint import check_launch, find_resume_checkpoint, read_verified_position
 
+    launch = this_launch(cfg.mixed_precision)
     checkpoint = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     if checkpoint:
-        check_launch(checkpoint, read_verified_position(checkpoint), this_launch(cfg.mixed_precision))
+        check_launch(checkpoint, read_verified_position(checkpoint), launch)
 
 
 def read_deepspeed_file(path: str) -> dict:
