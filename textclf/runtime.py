@@ -95,8 +95,9 @@ def check_deepspeed_config(config: dict, place: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
-    # DeepSpeedConfig's __init__ parses the sections (_initialize_params), then does batch-size arithmetic that
-    # needs the process group and the values accelerate has not filled in yet: only the first part runs here.
+    # DeepSpeedConfig's __init__ parses the sections (its private _initialize_params), then does batch-size
+    # arithmetic that needs the process group and the values accelerate has not filled in yet: only the first
+    # part runs here (test_oneline's DeepSpeed JSON tests fail if it changes).
     parsed = object.__new__(DeepSpeedConfig)
     try:
         parsed._initialize_params(copy.deepcopy(config))
