@@ -215,7 +215,7 @@ def encoding_to_use(path: str, encoding: Optional[str]) -> str:
 def parse_failure(path: str, builder: str, delimiter: Optional[str], encoding: str, error: Exception) -> str:
     """One line: why a file that decodes could not be parsed, where, and what to do."""
     causes = []
-    while error is not None:
+    while error is not None and error not in causes:  # read_file re-raises a cause: its context is the wrapper
         causes.append(error)
         error = error.__cause__ or error.__context__
     reasons = [str(e).strip().splitlines()[0] for e in causes if str(e).strip()]
