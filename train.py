@@ -34,9 +34,9 @@ from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, tracking
 from textclf.data import make_loaders
-from textclf.export import export_model
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
+from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
 from textclf.runtime import describe, exit_finished_run, make_accelerator
 from textclf.task import Task

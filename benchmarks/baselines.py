@@ -29,8 +29,9 @@ from transformers import (
 from textclf.config import TrainConfig, parse_config
 from textclf.data import make_loaders
 from textclf.job import build_job
-from textclf.metrics import classification_scores, evaluate_model
+from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_groups
+from textclf.task import Task
 from textclf.tracking import JsonLinesTracker, Window
 
 BASELINES = {  # name: what runs
@@ -89,15 +90,16 @@ def plain_pytorch(cfg: TrainConfig) -> None:
             if step == total_steps:
                 break
 
+    task = Task.from_config(cfg)
     model.eval()
     predictions, references = [], []
     with torch.no_grad(), autocast:
         for batch in eval_loader:
             batch = {name: tensor.to(device) for name, tensor in batch.items()}
-            predictions += model(**batch).logits.argmax(dim=-1).tolist()
-            references += batch["labels"].tolist()
-    scores = classification_scores(predictions, references)
-    log.log({"eval_accuracy": scores["accuracy"], "eval_f1": scores["f1"], "eval_samples": len(references)}, step)
+            predictions += task.predictions(model(**batch).logits).tolist()
+            references += task.targets(batch["labels"]).tolist()
+    scores = task.compute_scores(predictions, references)
+    log.log({**{f"eval_{key}": value for key, value in scores.items()}, "eval_samples": len(references)}, step)
 
 
 def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
@@ -142,7 +144,8 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    log.log(evaluate_model(trainer.model, eval_loader, trainer.accelerator), trainer.state.global_step)
+    log.log(evaluate_model(trainer.model, eval_loader, trainer.accelerator, Task.from_config(cfg)),
+            trainer.state.global_step)
 
 
 def main(argv: list[str]) -> None:

@@ -6,12 +6,14 @@ memory, on a data file repeated to each size, with empty caches and then again w
 
 Each size gets caches of its own (tokenizer and `datasets`) under the output folder, so its first run
 starts empty; evaluation is a fixed held-out file of the first rows, so it costs the same at every size.
-Writes DIR/data_stage.md (the table, with date and machine) and DIR/data_stage.json.
+Writes DIR/data_stage.md (the table, with date and machine) and DIR/data_stage.json. CPU time (the run's
+processes together) and the load average before each run tell a busy machine's figures from an idle one's.
 """
 
 import argparse
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Optional
@@ -41,6 +43,13 @@ def first_step_s(output_dir: Path, launched_at: float) -> float:
         return json.loads(f.readline())["time"] - launched_at
 
 
+def cpu_s_of_children() -> float:
+    """User and system CPU seconds of the processes this one has waited for, and of those they waited for
+    (train.py and its tokenizing workers): on a shared machine, CPU time says what wall time cannot."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(data: str, rows: int, columns: list[str], folder: Path) -> list[dict]:
     """The first run (empty caches) and the second (warm) on `rows` rows."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -52,23 +61,25 @@ def measure(data: str, rows: int, columns: list[str], folder: Path) -> list[dict
         cmd = [sys.executable, "train.py", "--data", str(train_file), "--eval_data", str(eval_file), *columns,
                "--max_steps", "1", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
                "--cache_dir", str(folder / "tokenizers"), "--output_dir", str(output_dir), "--overwrite_output_dir"]
+        load, cpu_before = os.getloadavg()[0], cpu_s_of_children()
         sampled = run_sampled(cmd, folder / f"console_{run}.txt", timeout_s=3600)
         if sampled["exit_code"] != 0:
             raise SystemExit(f"error: the {run} run on {rows:,} rows failed; see {folder / f'console_{run}.txt'}")
         results.append({"rows": rows, "run": run, "first_step_s": first_step_s(output_dir, sampled["launched_at"]),
-                        "wall_s": sampled["wall_s"], "peak_rss_mb": max(sampled["peak_rss_mb_per_rank"])})
+                        "wall_s": sampled["wall_s"], "cpu_s": cpu_s_of_children() - cpu_before,
+                        "peak_rss_mb": max(sampled["peak_rss_mb_per_rank"]), "load_before": load})
     return results
 
 
 def table(results: list[dict], machine: dict) -> list[str]:
     lines = [f"{machine['date']}, {machine['cpu']}, {machine['logical_cores']} logical cores, "
              f"{machine['memory_gb']} GB", "",
-             "| training rows | caches | launch to first optimizer step | whole run | peak memory |",
-             "|---|---|---|---|---|"]
+             "| training rows | caches | launch to first optimizer step | whole run | CPU time | peak memory | "
+             "load before |", "|---|---|---|---|---|---|---|"]
     for row in results:
         caches = "empty (first run)" if row["run"] == "first" else "warm (second run)"
         lines.append(f"| {row['rows']:,} | {caches} | {row['first_step_s']:.0f} s | {row['wall_s']:.0f} s | "
-                     f"{row['peak_rss_mb'] / 1024:.2f} GB |")
+                     f"{row['cpu_s']:.0f} s | {row['peak_rss_mb'] / 1024:.2f} GB | {row['load_before']:.1f} |")
     return lines
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The benchmark's module (`python -m benchmarks`), in one place.
 BENCH_MODULE = os.environ.get("TEXTCLF_BENCH_MODULE", "benchmarks")
-# Packages whose versions the report gives, and where each came from (carried wheels or the machine).
+# Packages whose versions the report gives, and where each came from (the wheels brought along, or the machine's own).
 PACKAGES = ("torch", "accelerate", "transformers", "tokenizers", "datasets", "evaluate", "deepspeed", "peft",
             "safetensors", "huggingface-hub", "pyarrow", "fsspec", "numpy", "pydantic", "snownlp", "pytest",
             "pytest-xdist", "pytest-timeout")
@@ -167,7 +167,7 @@ versions = {}
 for name in sys.argv[2:]:
     try:
         dist = importlib.metadata.distribution(name)
-        versions[name] = [dist.version, "carried" if site and str(dist.locate_file("")).startswith(site) else "machine"]
+        versions[name] = [dist.version, "brought" if site and str(dist.locate_file("")).startswith(site) else "machine"]
     except importlib.metadata.PackageNotFoundError:
         versions[name] = [None, "missing"]
 facts["versions"] = versions

@@ -19,7 +19,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 # that the image lacks (datasets: dill, multiprocess; deepspeed: hjson, pydantic and its parts).
 PACKAGES="datasets evaluate deepspeed snownlp dill multiprocess hjson pydantic pydantic-core annotated-types typing-inspection"
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-# What one device call may carry with the working tree, in MiB (the tree itself is well under 1 MiB).
+# A size cap, in MiB, so the wheels travel with the working tree in one small copy (the tree is under 1 MiB).
 LIMIT_MIB=60
 
 mkdir -p "$DIR"
@@ -46,4 +46,4 @@ dupes=$(ls "$DIR"/*.whl | xargs -n1 basename | cut -d- -f1 | tr A-Z a-z | sort |
 [ -z "$dupes" ] || { echo "error: several versions of: $dupes (empty $DIR and fetch again)" >&2; exit 1; }
 size=$(du -sm "$DIR" | cut -f1)
 echo "$DIR: $(ls "$DIR"/*.whl | wc -l) wheels, ${size} MiB"
-[ "$size" -le "$LIMIT_MIB" ] || { echo "error: over ${LIMIT_MIB} MiB, more than a device call carries" >&2; exit 1; }
+[ "$size" -le "$LIMIT_MIB" ] || { echo "error: over ${LIMIT_MIB} MiB, more than the cap allows (LIMIT_MIB)" >&2; exit 1; }

@@ -129,7 +129,7 @@ def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_p
     path = write(tmp_path / "tabs.csv", "label\treview\npositive\t好\nnegative\t差\n".encode())
     with pytest.raises(InputError, match="its columns are: label\treview .choose with --text_column or pass the "
                                          "file's delimiter with --delimiter"):
-        load_splits(path, None, Task("single_label", "review", "label"), 0.1, 0)
+        load_splits(path, None, Task.of("single_label", "review", "label"), 0.1, 0)
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "gb18030"])

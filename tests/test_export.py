@@ -211,3 +211,43 @@ def test_a_source_that_is_not_a_model_is_one_clear_error(case, tiny_model, tmp_p
     source = make_source(tiny_model, tmp_path)
     assert message in refusal(main, [source, tmp_path / "target"])
     assert not (tmp_path / "target").exists()
+
+
+def core_modules() -> set[str]:
+    """The modules of textclf that training imports: train.py's `textclf` imports, followed through each
+    module's own (those inside functions too), read from the source without importing anything."""
+    import ast
+
+    def imported(path, package="textclf"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:  # from .x import y, from . import x
+                base = package if not node.module else f"{package}.{node.module}"
+                yield from [base] if node.module else (f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("textclf"):
+                yield node.module
+                yield from (f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                yield from (alias.name for alias in node.names)
+
+    def source(module):
+        path = REPO.joinpath(*module.split("."))
+        return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
+
+    seen, todo = set(), [name for name in imported(REPO / "train.py") if source(name)]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        package = module if source(module).name == "__init__.py" else module.rpartition(".")[0]
+        todo += [name for name in imported(source(module), package) if name.startswith("textclf") and source(name)]
+    return seen
+
+
+def test_training_imports_none_of_the_commands():
+    """The core (train.py and what it imports) is what a fork reads; the commands are built on it, never in it."""
+    core = core_modules()
+    assert {"textclf.modeling", "textclf.model_folder", "textclf.data", "textclf.checkpoint"} <= core
+    commands = {"textclf.export", "textclf.predict", "textclf.check", "textclf.report"}
+    only_theirs = {"textclf.loading", "textclf.baseline", "textclf.theory"}
+    assert not core & (commands | only_theirs)

@@ -34,8 +34,9 @@ from textclf import check
 from textclf.config import parse_config
 from textclf.errors import InputError
 from textclf.loading import load_trained
-from textclf.modeling import apply_lora, build_model, get_tokenizer, model_config, parameter_groups
+from textclf.modeling import apply_lora, get_tokenizer, make_model, model_config, parameter_groups, training_config
 from textclf.predict import predict_logits
+from textclf.task import Task
 
 ZOO = REPO / "accelerate_configs"
 STRATEGIES = {"single": None, "ddp": "cpu.yaml", "zero3": "zero3.yaml"}
@@ -51,6 +52,12 @@ def family_args(folder, reviews_csv, cache_dir, *extra):
             16, "--logging_steps", 1, "--report_to", "none", "--data", reviews_csv, "--cache_dir", cache_dir,
             "--max_steps", STEPS, "--save_steps", 2, *extra]
 
+
+
+def to_train(model: str, tokenizer, label_names: list[str], **options):
+    """The model train.py builds to fine-tune `model` (job.py's two calls), at max_length 32."""
+    head = Task.of("single_label", "text", "label").head_config(label_names)
+    return make_model(training_config(model, tokenizer, head, 32), model, **options)
 
 @pytest.fixture(scope="module")
 def family_run(tmp_path_factory, family_model, reviews_csv, cache_dir):
@@ -86,7 +93,7 @@ def test_each_text_gets_the_logits_it_gets_alone_in_a_padded_batch(family, famil
     assert (AutoTokenizer.from_pretrained(folder).pad_token is None) == (family != "bert")  # as shipped
     tokenizer = get_tokenizer(str(folder), None, "unused", "unused", 32)
     torch.manual_seed(0)
-    model = build_model(str(folder), tokenizer, ["a", "b", "c"], 32).eval()
+    model = to_train(str(folder), tokenizer, ["a", "b", "c"]).eval()
     if family != "bert":
         assert tokenizer.pad_token == tokenizer.eos_token
     assert tokenizer.padding_side == "right"
@@ -103,7 +110,7 @@ def test_weight_decay_skips_biases_and_every_normalisation_layer(family, family_
     from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
 
     folder = family_model(family)
-    model = build_model(str(folder), get_tokenizer(str(folder), None, "unused", "unused", 32), ["a", "b"], 32)
+    model = to_train(str(folder), get_tokenizer(str(folder), None, "unused", "unused", 32), ["a", "b"])
     decayed, not_decayed = (group["params"] for group in parameter_groups(model, 0.1))
     norms = {id(p) for m in model.modules() if "Norm" in type(m).__name__ or isinstance(m, tuple(ALL_LAYERNORM_LAYERS))
              for p in m.parameters(recurse=False)}
@@ -121,7 +128,7 @@ def test_lora_of_a_decoder_gives_the_optimizer_no_empty_group(family, family_mod
     """LoRA of Llama trains no bias and no norm: no group without decay. DeepSpeed would drop an empty one
     and the scheduler's first step would fail (zip() of 2 learning rates with 1 group)."""
     folder = family_model(family)
-    model = build_model(str(folder), get_tokenizer(str(folder), None, "unused", "unused", 32), ["a", "b"], 32)
+    model = to_train(str(folder), get_tokenizer(str(folder), None, "unused", "unused", 32), ["a", "b"])
     model = apply_lora(model, 8, 16, 0.0)
     groups = parameter_groups(model, 0.1)
     assert all(group["params"] for group in groups)
@@ -143,7 +150,7 @@ def test_weights_load_in_the_dtype_asked_for(family_model):
     llama_model = family_model("llama")
     tokenizer = get_tokenizer(str(llama_model), None, "unused", "unused", 32)
     for dtype, expected in (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("auto", torch.float32)):
-        model = build_model(str(llama_model), tokenizer, ["a", "b"], 32, torch_dtype=dtype)
+        model = to_train(str(llama_model), tokenizer, ["a", "b"], torch_dtype=dtype)
         assert {p.dtype for p in model.parameters()} == {expected}, dtype
 
 
@@ -157,7 +164,7 @@ def test_gradient_checkpointing_gives_lora_the_same_gradients(family_model):
     gradients = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = build_model(str(llama_model), tokenizer, ["a", "b"], 32, gradient_checkpointing=checkpointing)
+        model = to_train(str(llama_model), tokenizer, ["a", "b"], gradient_checkpointing=checkpointing)
         model = apply_lora(model, 8, 16, 0.0).train()
         assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointing
         with torch.no_grad():  # B starts at zero, which would give A no gradient

@@ -262,7 +262,7 @@ def test_checkpoint_export_meets_the_runs_own_export(name, trained, tmp_path):
 def test_export_serves_a_pipeline_on_the_gpu(name, trained):
     from transformers import pipeline
 
-    from textclf.export import PROBE_TEXTS
+    from textclf.model_folder import PROBE_TEXTS
 
     folder = str(trained(name)[0] / "model")
     scores = {}
@@ -332,7 +332,7 @@ def test_no_step_between_log_lines_waits_for_the_gpu(name, tmp_path, reviews_csv
 def test_the_default_job_end_to_end(tmp_path):
     from transformers import pipeline
 
-    from textclf.export import PROBE_TEXTS
+    from textclf.model_folder import PROBE_TEXTS
 
     start = time.time()
     result = run_train(["--output_dir", tmp_path / "out"], timeout=1200)

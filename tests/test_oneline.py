@@ -26,7 +26,7 @@ from textclf.data import read_inputs, read_labelled
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
 from textclf.loading import load_trained
-from textclf.modeling import build_model
+from textclf.modeling import make_model, training_config
 from textclf.runtime import check_deepspeed_config, make_accelerator
 from textclf.task import Task
 
@@ -124,7 +124,7 @@ def test_a_pickle_only_model_to_train_is_one_line_and_runs_nothing(tmp_path):
     torch.save({"classifier.weight": torch.zeros(2, 16), "marker": RunsCode(tmp_path / "code-ran")},
                folder / "pytorch_model.bin")
     with pytest.raises(InputError, match="its weights are a pickle that holds more than tensors"):
-        build_model(str(folder), SimpleNamespace(pad_token_id=0), ["neg", "pos"], 32)
+        make_model(training_config(str(folder), SimpleNamespace(pad_token_id=0), {"num_labels": 2}, 32), str(folder))
     assert not (tmp_path / "code-ran").exists()
 
 

@@ -3,8 +3,10 @@ caches (a second run is a hit, a changed file is never served stale), and the li
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import datasets
 import pytest
@@ -13,7 +15,7 @@ from conftest import OFFLINE, REPO, TINY, read_csv, train_forked, write_csv
 from textclf.config import parse_config
 from textclf.data import sample_key, text_sample, tokenizing_processes
 from textclf.errors import InputError
-from textclf.job import build_job, load_data
+from textclf.job import build_job, load_data, waiting
 
 
 def texts_of(batches) -> list[str]:
@@ -48,6 +50,20 @@ def test_tokenizing_uses_a_process_per_core_only_where_each_has_enough_rows(monk
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert tokenizing_processes(1000) is None
     assert tokenizing_processes(1_000_000) == 2
+
+
+def test_a_waiting_process_says_what_it_waits_for_and_again_at_intervals(monkeypatch, capsys):
+    monkeypatch.setenv("TEXTCLF_WAIT_NOTE_S", "0.1")
+    with waiting("process 1", "the local main process to tokenize 10 examples"):
+        time.sleep(0.55)  # blocked, as in a barrier
+    first, *notes = capsys.readouterr().out.splitlines()
+    assert first == ("process 1: waiting for the local main process to tokenize 10 examples; then reading both from "
+                     "its caches")
+    assert 2 <= len(notes) <= 5
+    assert all(re.fullmatch(r"process 1: still waiting for the local main process to tokenize 10 examples "
+                            r"\(\d+ s so far\)", note) for note in notes)
+    time.sleep(0.3)
+    assert capsys.readouterr().out == ""  # the notes end with the wait
 
 
 def run_data(data, cache_dir, *flags):
@@ -102,11 +118,14 @@ def test_load_data_reads_the_same_examples_as_before(tmp_path, reviews_csv):
 @pytest.mark.slow
 def test_under_two_processes_rank_0_shows_the_data_stages_and_the_other_says_it_waits(tmp_path, reviews_csv):
     result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", tmp_path / "cache", "--max_steps", "1",
-                           "--output_dir", tmp_path / "run"])
+                           "--output_dir", tmp_path / "run"], env={"TEXTCLF_WAIT_NOTE_S": "0.1"})
     for stage, lines in (("data: read", 1), ("data: labels and split", 1), ("data: learnt a tokenizer", 1),
                          ("data: tokenized", 2)):  # the training and the evaluation examples
         assert result.stdout.count(stage) == lines, stage
-    assert result.stdout.count("waiting for the local main process") == 1
+    assert result.stdout.count("process 1: waiting for the local main process") == 1
+    # Rank 0 takes longer than the note's time here: the other says again what it waits for.
+    assert re.search(r"process 1: still waiting for the local main process to prepare the tokenizer and tokenize "
+                     r"\d+ \+ \d+ examples \(\d+ s so far\)", result.stdout)
 
 
 @pytest.mark.slow
@@ -118,7 +137,36 @@ def test_the_data_stage_benchmark_writes_its_table(tmp_path, reviews_csv):
     rows = json.loads((tmp_path / "data_stage.json").read_text(encoding="utf-8"))
     assert [(row["rows"], row["run"]) for row in rows] == [(300, "first"), (300, "second"), (600, "first"),
                                                            (600, "second")]
-    assert all(0 < row["first_step_s"] < row["wall_s"] and row["peak_rss_mb"] > 0 for row in rows)
+    assert all(0 < row["first_step_s"] < row["wall_s"] and row["peak_rss_mb"] > 0 and row["cpu_s"] > 0 for row in rows)
     assert "| 600 | warm (second run) |" in (tmp_path / "data_stage.md").read_text(encoding="utf-8")
     second = (tmp_path / "rows_600" / "console_second.txt").read_text(encoding="utf-8")
     assert "tokenized before, from the cache" in second  # the second run is a cache hit
+
+
+def test_only_the_ids_are_stored_and_the_collator_rebuilds_what_the_model_reads(tmp_path):
+    from transformers import BertTokenizerFast, DataCollatorWithPadding
+
+    from textclf.data import tokenize
+    from textclf.modeling import train_tokenizer
+
+    texts = ["这个手机很好用", "质量太差了，不推荐", "good value", "物流很快", "一般般吧"] * 4
+    train_tokenizer(texts, str(tmp_path / "tok"))
+    tokenizer = BertTokenizerFast.from_pretrained(tmp_path / "tok")
+    for columns in ({"text": texts}, {"text": texts, "text_pair": texts[::-1]}):
+        table = datasets.Dataset.from_dict({**columns, "labels": [i % 2 for i in range(len(texts))]})
+        tokenized = tokenize(table, tokenizer, max_length=8)
+        pairs = "text_pair" in columns
+        assert tokenized.column_names == ["labels", "input_ids", *(["token_type_ids"] if pairs else []), "length"]
+        expected = tokenizer(columns["text"], columns.get("text_pair"), truncation=True, max_length=8, padding=True,
+                             return_tensors="pt")
+        batch = DataCollatorWithPadding(tokenizer)([row for row in tokenized.remove_columns(["length"])])
+        assert batch["input_ids"].tolist() == expected["input_ids"].tolist()
+        assert batch["attention_mask"].tolist() == expected["attention_mask"].tolist()
+        assert tokenized["length"] == expected["attention_mask"].sum(1).tolist()
+        if pairs:  # BERT marks the second text's tokens; a single text's types are all 0, the model's default
+            assert batch["token_type_ids"].tolist() == expected["token_type_ids"].tolist()
+            assert expected["token_type_ids"].any()
+    # A model that takes no token types (DistilBERT, decoders) is given none, pairs or not.
+    without_types = BertTokenizerFast.from_pretrained(tmp_path / "tok",
+                                                      model_input_names=["input_ids", "attention_mask"])
+    assert "token_type_ids" not in tokenize(table, without_types, max_length=8).column_names

@@ -8,8 +8,11 @@ be the same run bit for bit. Its export loads in `pipeline`, which applies the t
 Bad task input (a missing pair column, a label cell that does not parse, ...) is in test_train.py's table.
 """
 
+import dataclasses
 import json
 import math
+import re
+import typing
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, pipeline
 
 from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, train_forked
 from textclf.data import clean_text
+from textclf.errors import InputError
 from textclf.loading import load_trained
 from textclf.predict import predict_logits
 from textclf.task import Task
@@ -184,7 +188,7 @@ def test_predict_and_report_take_the_runs_task_and_columns(name, task_run, tmp_p
 # --- The task's rules, without training. ---------------------------------------------------------------
 
 def test_multi_label_cells_read_as_lists_from_json_lines_delimited_csv_and_json_strings():
-    task = Task("multi_label", "review", "label", label_separator="|")
+    task = Task.of("multi_label", "review", "label", label_separator="|")
     cells = [["服务", "房间"], "房间| 服务 ", '["早餐"]', "", None, [3, 1]]
     assert task.parse_labels(cells, "f") == [["房间", "服务"], ["房间", "服务"], ["早餐"], [], [], ["1", "3"]]
     labels = task.parse_labels(cells[:3], "f")
@@ -195,9 +199,9 @@ def test_multi_label_cells_read_as_lists_from_json_lines_delimited_csv_and_json_
 
 
 def test_the_split_says_how_it_is_stratified():
-    single = Task("single_label", "review", "label")
-    multi = Task("multi_label", "review", "label")
-    regression = Task("regression", "review", "label")
+    single = Task.of("single_label", "review", "label")
+    multi = Task.of("multi_label", "review", "label")
+    regression = Task.of("regression", "review", "label")
     assert single.strata([0, 1, 1, 0], 2) == ([0, 1, 1, 0], "stratified by label")
     assert multi.strata([[1, 0], [1, 0], [0, 1], [0, 1]], 2)[1] == "stratified by label set (2 sets)"
     assert multi.strata([[1, 0], [1, 0], [0, 1], [1, 1]], 2) == (
@@ -209,7 +213,7 @@ def test_the_split_says_how_it_is_stratified():
 def test_logits_become_each_tasks_predictions_and_rows():
     logits = torch.tensor([[2.0, -1.0, 0.5], [-3.0, 0.2, -0.1]])
     names = ["a", "b", "c"]
-    single, multi = Task("single_label", "t", "l"), Task("multi_label", "t", "l", threshold=0.5)
+    single, multi = Task.of("single_label", "t", "l"), Task.of("multi_label", "t", "l", threshold=0.5)
     assert single.predictions(logits).tolist() == [0, 1]
     assert multi.predictions(logits).tolist() == [[1, 0, 1], [0, 1, 0]]
     rows = multi.prediction_rows(["x", "y"], None, logits, names)
@@ -218,7 +222,7 @@ def test_logits_become_each_tasks_predictions_and_rows():
     rows = single.prediction_rows(["x", "y"], ["p", "q"], logits, names)
     assert rows[1]["text_pair"] == "q" and rows[1]["label_name"] == "b"
     assert sum(rows[0][f"prob_{n}"] for n in names) == pytest.approx(1)
-    regression = Task("regression", "t", "l")
+    regression = Task.of("regression", "t", "l")
     assert regression.prediction_rows(["x"], None, torch.tensor([[3.25]]), ["score"]) == [{"text": "x", "score": 3.25}]
     # Without --output, predict prints one line per row: the prediction, then the text(s).
     assert single.terminal_line(rows[1]) == f"b\t{rows[1]['prob_b']:.4f}\ty\tq"
@@ -227,17 +231,32 @@ def test_logits_become_each_tasks_predictions_and_rows():
 
 
 def test_each_tasks_scores_and_which_way_is_better():
-    from textclf.metrics import compute_scores
-
-    multi = compute_scores("multi_label", [[1, 0, 1], [0, 1, 0]], [[1, 0, 0], [0, 1, 0]])
+    multi = Task.of("multi_label", "t", "l").compute_scores([[1, 0, 1], [0, 1, 0]], [[1, 0, 0], [0, 1, 0]])
     # micro: 2 true positives, 1 false positive, no false negative -> F1 = 4 / 5
     # macro: labels a and b are right (F1 1), c was predicted once and never true (F1 0)
     assert multi == pytest.approx({"micro_f1": 0.8, "macro_f1": 2 / 3, "subset_accuracy": 0.5})
-    regression = compute_scores("regression", [1.0, 2.0, 4.0], [1.0, 3.0, 5.0])
+    task = Task.of("regression", "t", "l")
+    regression = task.compute_scores([1.0, 2.0, 4.0], [1.0, 3.0, 5.0])
     assert regression["mse"] == pytest.approx(2 / 3) and regression["spearman"] == pytest.approx(1.0)
-    assert compute_scores("regression", [2.0, 2.0], [1.0, 3.0])["pearson"] is None  # a constant prediction
-    task = Task("regression", "t", "l")
+    assert task.compute_scores([2.0, 2.0], [1.0, 3.0])["pearson"] is None  # a constant prediction
     assert not task.greater_is_better("eval_mse") and task.greater_is_better("eval_pearson")
+
+
+def test_a_task_is_made_by_its_kind():
+    assert type(Task.of("multi_label", "t", "l")).__name__ == "MultiLabel"
+    with pytest.raises(TypeError, match=r"Task.of\(kind, ...\)"):
+        Task("single_label", "t", "l")
+
+
+def test_each_kind_gives_the_model_config_its_head():
+    """What the model factory sets on the config: the outputs by name, and the problem type that picks the loss."""
+    heads = {kind: Task.of(kind, "t", "l").head_config(["a", "b"]) for kind in ("single_label", "multi_label")}
+    assert heads["single_label"] == {"num_labels": 2, "id2label": {0: "a", 1: "b"}, "label2id": {"a": 0, "b": 1},
+                                     "problem_type": "single_label_classification"}
+    assert heads["multi_label"]["problem_type"] == "multi_label_classification"
+    regression = Task.of("regression", "t", "l")
+    head = regression.head_config(regression.label_names([1.5, 2.0], "f"))
+    assert head == {"num_labels": 1, "id2label": {0: "score"}, "label2id": {"score": 0}, "problem_type": "regression"}
 
 
 def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
@@ -274,3 +293,23 @@ def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
         (tmp_path / f"step_{step}" / "position.json").write_text(json.dumps({"metrics": {"eval_mse": mse}}))
     rotate(str(tmp_path), keep=1, metric="eval_mse", protect=None, greater_is_better=False)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_20", "step_40"]
+
+
+def test_the_kind_docs_tasks_md_adds_works_and_passes_its_own_test(monkeypatch):
+    """docs/tasks.md's worked example, pasted as a reader would: the class into textclf/task.py, named in KINDS
+    (which --task offers), and its test."""
+    import textclf.task
+    from textclf.config import TrainConfig
+
+    task_field = next(field for field in dataclasses.fields(TrainConfig) if field.name == "task")
+    assert typing.get_args(task_field.type) == tuple(textclf.task.KINDS)  # --task offers the registry's kinds
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "tasks.md").read_text(encoding="utf-8"), re.S)
+    [kind] = [block for block in blocks if "class Ordinal" in block]
+    [test] = [block for block in blocks if "def test_" in block]
+    module = dict(vars(textclf.task))
+    exec(kind, module)
+    monkeypatch.setitem(textclf.task.KINDS, "ordinal", module["Ordinal"])
+    tests = {"pytest": pytest, "torch": torch, "Task": Task, "InputError": InputError}
+    exec(test, tests)
+    [run] = [function for name, function in tests.items() if name.startswith("test_")]
+    run()

@@ -242,7 +242,7 @@ def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, cap
     from textclf.task import Task
 
     rows = "label,review\n" + "".join(f"{i % 2},\ufeff评论{i}\n" for i in range(40)) + "1,\n0,   \n"
-    task = Task("single_label", text_column="review", label_column="label")
+    task = Task.of("single_label", text_column="review", label_column="label")
     train, held_out, names = load_splits(str(_write(tmp_path / "d.csv", rows)), None, task, 0.1, 0)
     assert len(train) + len(held_out) == 40 and names == ["0", "1"]
     assert not any(text.startswith("\ufeff") for text in train["text"])
@@ -256,7 +256,7 @@ def test_tokenization_is_cached_between_runs(tmp_path, reviews_csv):
     from textclf.modeling import train_tokenizer
     from textclf.task import Task
 
-    train, _, _ = load_splits(str(reviews_csv), None, Task("single_label", "review", "label"), 0.1, 0)
+    train, _, _ = load_splits(str(reviews_csv), None, Task.of("single_label", "review", "label"), 0.1, 0)
     train_tokenizer(train["text"], str(tmp_path / "tok"))
     # Each run loads its own tokenizer object from the cached folder.
     first = tokenize(train, BertTokenizerFast.from_pretrained(tmp_path / "tok"), 32)

@@ -11,7 +11,7 @@ from textclf.data import load_splits
 from textclf.errors import InputError
 from textclf.task import Task
 
-SINGLE = Task("single_label", text_column="review", label_column="label")
+SINGLE = Task.of("single_label", text_column="review", label_column="label")
 
 
 def write(path, text):
@@ -86,7 +86,7 @@ def test_an_integer_column_with_empty_cells_reports_them_and_regression_reads_th
     with pytest.raises(InputError, match="row 13 has no value in label column"):
         splits(tmp_path, "d.csv", rows)
     with pytest.raises(InputError, match="row 13 has no value in label column"):
-        splits(tmp_path, "r.csv", rows, task=Task("regression", "review", "label"))
+        splits(tmp_path, "r.csv", rows, task=Task.of("regression", "review", "label"))
 
 
 def test_the_same_column_for_text_and_label_is_refused_by_the_config():
@@ -238,7 +238,7 @@ def test_a_type_error_in_a_recipe_names_the_recipe(tmp_path, recipe, command_lin
 def test_predict_says_when_no_label_is_above_the_threshold():
     import torch
 
-    task = Task("multi_label", "review", "label", threshold=0.7)
+    task = Task.of("multi_label", "review", "label", threshold=0.7)
     rows = task.prediction_rows(["一般"], None, torch.tensor([[0.0, -1.0]]), ["服务", "价格"])
     assert task.terminal_line(rows[0]) == "(no label above 0.7)\t一般"
 
@@ -425,12 +425,12 @@ def pretrained_backbone(tmp_path_factory):
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
         pretrained_backbone, capfd, caplog, monkeypatch, verbose):
-    from textclf.modeling import apply_lora, build_model
+    from textclf.modeling import apply_lora, make_model, training_config
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
     model, tokenizer = pretrained_backbone
-    built = build_model(model, tokenizer, ["a", "b"], 32, gradient_checkpointing=True)
+    built = make_model(training_config(model, tokenizer, {"num_labels": 2}, 32), model, gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         apply_lora(built, 4, 8, 0.0)

@@ -1,10 +1,6 @@
 """The baseline a report stands the model beside: a TF-IDF of character 1-3-grams (sublinear term
-frequency) and a linear model, fitted on the examples the model was trained on. It takes seconds on a
-CPU (docs/after-training.md), so a user sees at once whether fine-tuning beat it.
-
-    single_label   logistic regression
-    multi_label    one logistic regression per label (one-vs-rest)
-    regression     ridge regression
+frequency) and the task's linear model (Task.baseline), fitted on the examples the model was trained
+on. It takes seconds on a CPU (docs/after-training.md), so a user sees at once whether fine-tuning beat it.
 
 Character n-grams need no word segmentation (Chinese has no spaces). For pairs, each text is a vector
 of its own and their elementwise product adds the n-grams the two share.
@@ -16,13 +12,8 @@ import numpy as np
 import scipy.sparse
 from datasets import Dataset
 from sklearn.feature_extraction.text import TfidfVectorizer
-from sklearn.linear_model import LogisticRegression, Ridge
-from sklearn.multiclass import OneVsRestClassifier
 
 from .task import Task
-
-MODELS = {"single_label": "logistic regression", "multi_label": "one-vs-rest logistic regression",
-          "regression": "ridge regression"}
 
 
 def features(vectorizer: TfidfVectorizer, table: Dataset, fit: bool = False):
@@ -45,15 +36,10 @@ def baseline_predictions(task: Task, train: Dataset, test: Dataset) -> tuple[lis
     start = time.perf_counter()
     vectorizer = TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True)
     train_features = features(vectorizer, train, fit=True)
-    labels = np.asarray(train["labels"][:])
-    # saga: on these sparse, wide features it fits several times faster than lbfgs (the default; figures in
-    # docs/after-training.md); 1000 iterations, because at 100 it stopped short of converging on small data sets.
-    classifier = LogisticRegression(solver="saga", max_iter=1000, random_state=0)  # saga shuffles: seeded
-    model = {"single_label": classifier, "multi_label": OneVsRestClassifier(classifier),
-             "regression": Ridge()}[task.kind]
-    model.fit(train_features, labels.astype(int) if task.kind == "multi_label" else labels)
+    model, method = task.baseline()
+    model.fit(train_features, np.asarray(train["labels"][:]))
     seconds = time.perf_counter() - start
     predictions = model.predict(features(vectorizer, test))
-    about = {"method": f"TF-IDF of character 1-3-grams + {MODELS[task.kind]}", "train_examples": len(train),
+    about = {"method": f"TF-IDF of character 1-3-grams + {method}", "train_examples": len(train),
              "fit_seconds": round(seconds, 2)}
     return predictions.tolist(), about

@@ -63,9 +63,10 @@ from .job import load_data
 from .launch import fewer_processes, zero_offload
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
-    apply_lora,
     embedding_holders,
     layer_classes,
+    lora_settings,
+    make_model,
     model_config,
     parameter_counts,
     scratch_config,
@@ -328,8 +329,6 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def planned_model(cfg: TrainConfig):
     """(model, vocabulary note): the model train.py would build, on the meta device (no weight allocated
     or read), with LoRA's adapters when cfg.lora, and where its vocabulary size comes from."""
-    from transformers import AutoModelForSequenceClassification
-
     size = scratch_size(cfg.model)
     # The task's fewest labels (the data is not read for them): the head is hidden_size x labels, a rounding
     # error next to the body.
@@ -345,9 +344,7 @@ def planned_model(cfg: TrainConfig):
         config.num_labels = num_labels
         vocabulary = f"its vocabulary of {config.vocab_size:,} tokens" if hasattr(config, "vocab_size") else ""
     with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        if cfg.lora:
-            model = apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        model = make_model(config, lora=lora_settings(cfg), trust_remote_code=cfg.trust_remote_code)
     return model, vocabulary
 
 
@@ -375,7 +372,7 @@ def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
 
 def check_fsdp_wrap(launch: dict, model, model_name: str, conflicts: list[str], warnings: list[str]) -> Optional[str]:
     """The layer classes FSDP will wrap one by one: those the yaml names, which the model must have, or the
-    model's own (modeling.layer_classes, which build_model hands to accelerate)."""
+    model's own (modeling.layer_classes, which make_model hands to accelerate)."""
     if (launch["fsdp_auto_wrap_policy"] or "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
         return None
     named = launch["fsdp_transformer_layer_cls_to_wrap"]

@@ -22,6 +22,7 @@ from typing import Literal, Optional
 import yaml
 
 from .errors import InputError
+from .task import KINDS, Task
 
 # Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task
 # with (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, appendix A.3:
@@ -32,10 +33,6 @@ DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "Lo
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
-
-
-# The kinds of task (textclf/task.py), here so that a command line can offer them before the heavy imports.
-KINDS = ("single_label", "multi_label", "regression")
 
 
 def default_learning_rate(model: str, lora: bool) -> float:
@@ -88,7 +85,7 @@ class TrainConfig:
     label_column: str = field(
         default="label",
         metadata={"help": "Column holding the label: integers or strings (names, mapped to ids in "
-                  "sorted order and saved as id2label); multi_label: a list of names; regression: a number."},
+                  "sorted order and saved as id2label); for several labels a list of names; for a score a number."},
     )
     delimiter: Optional[str] = field(
         default=None,
@@ -123,10 +120,9 @@ class TrainConfig:
     )
 
     # --- task (textclf/task.py, docs/tasks.md) ---
-    task: Literal[KINDS] = field(
-        default="single_label",
-        metadata={"help": "single_label: one label per text (softmax); multi_label: a set of labels per text "
-                  "(a sigmoid per label); regression: a number per text (num_labels=1)."},
+    task: Literal[tuple(KINDS)] = field(
+        default=next(iter(KINDS)),
+        metadata={"help": "; ".join(f"{name}: {kind.__doc__}" for name, kind in KINDS.items()) + "."},
     )
     text_pair_column: Optional[str] = field(
         default=None,
@@ -135,11 +131,11 @@ class TrainConfig:
     )
     label_separator: str = field(
         default=",",
-        metadata={"help": "multi_label: what separates the names in a label cell of a CSV file (JSON Lines "
+        metadata={"help": "Several labels: what separates the names in a label cell of a CSV file (JSON Lines "
                   "cells, and cells written as a JSON list, are lists already)."},
     )
     threshold: float = field(
-        default=0.5, metadata={"help": "multi_label: a label is predicted where its sigmoid exceeds this."}
+        default=0.5, metadata={"help": "Several labels: a label is predicted where its sigmoid exceeds this."}
     )
 
     # --- optimisation (names as in transformers.TrainingArguments) ---
@@ -222,8 +218,9 @@ class TrainConfig:
     )
     metric_for_best_model: Optional[str] = field(
         default=None,
-        metadata={"help": "Metric that picks the best checkpoint (the highest, or the lowest for eval_mse); "
-                  "default: the task's main one (eval_f1, eval_micro_f1, eval_mse)."},
+        metadata={"help": "Metric that picks the best checkpoint (the highest, or the lowest for an error such as "
+                  "eval_mse); default: the task's main one "
+                  f"({', '.join(kind.main_metric for kind in KINDS.values())})."},
     )
     load_best_model_at_end: bool = field(
         default=False,
@@ -318,8 +315,6 @@ class TrainConfig:
 
     def _check_task(self):
         """The task's options agree; the best checkpoint's metric is one the task computes."""
-        from .task import MAIN_METRIC, Task  # here, not at the top: the task imports datasets, parsing needs none
-
         if self.text_pair_column == self.text_column:
             raise InputError(f"text_pair_column is the text column '{self.text_column}'; name a second column")
         for role in ("text", "text_pair"):
@@ -330,7 +325,7 @@ class TrainConfig:
             raise InputError("label_separator must not be empty")
         if not 0 < self.threshold < 1:
             raise InputError(f"threshold must be in (0, 1), got {self.threshold}")
-        metric = self.metric_for_best_model or MAIN_METRIC[self.task]
+        metric = self.metric_for_best_model or KINDS[self.task].main_metric
         self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
         metrics = Task.from_config(self).metrics
         if self.metric_for_best_model not in metrics:
@@ -391,11 +386,11 @@ FOREIGN = {
 
 def add_task_options(parser: argparse.ArgumentParser) -> None:
     """The task's options, for predict and report; by default those the model was trained with."""
-    parser.add_argument("--task", choices=KINDS, help="the task (default: the one the model was trained for)")
+    parser.add_argument("--task", choices=list(KINDS), help="the task (default: the one the model was trained for)")
     parser.add_argument("--text_column", help="the column that holds the text (default: the training run's)")
     parser.add_argument("--text_pair_column", help="the column that holds the second text of a pair "
                                                    "(default: the training run's)")
-    parser.add_argument("--threshold", type=float, help="multi_label: a label is predicted where its sigmoid "
+    parser.add_argument("--threshold", type=float, help="several labels: a label is predicted where its sigmoid "
                                                         "exceeds this (default: the training run's)")
 
 

@@ -15,14 +15,17 @@ import re
 import shutil
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Iterator, Optional
 
 import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from accelerate import PartialState
-from datasets import ClassLabel, Dataset
+from datasets import Dataset
+from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
@@ -352,6 +355,8 @@ def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] =
     labels = task.parse_labels(table["label"][:], path, table["row"][:])
     names = names or task.label_names(labels, path)
     encoded, feature = task.encode_labels(labels, names, path)
+    # As an Arrow array: `datasets` fingerprints the new column by pickling it, which takes seconds for a list.
+    encoded = pa.array(encoded, datasets.Features({"labels": feature}).arrow_schema.field("labels").type)
     return table.remove_columns(["label", "row"]).add_column("labels", encoded, feature=feature), names
 
 
@@ -366,45 +371,44 @@ def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, 
     if eval_data:
         held_out, _ = read_labelled(eval_data, task, delimiter, encoding, names)
     else:
-        train, held_out = hold_out(train, data, task, eval_split, seed)
+        train, held_out = hold_out(train, names, data, task, eval_split, seed)
     say(f"data: labels and split: {len(train):,} train / {len(held_out):,} eval examples in "
         f"{time.perf_counter() - start:.1f} s")
     return train, held_out, names
 
 
-def hold_out(train: Dataset, path: str, task: Task, eval_split: float, seed: int):
+def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split: float, seed: int):
     """Split off `eval_split` of the examples, stratified as the task says it can be, and say how."""
-    strata, how = task.strata(train["labels"][:], held_out=math.ceil(eval_split * len(train)))
+    strata, how = task.strata(train["labels"][:], math.ceil(eval_split * len(train)), names,
+                              f"cannot hold out {eval_split:.0%} of {path}")
     say(f"eval: {eval_split:.0%} of {path} held out, {how}")
     if strata is None:
         split = train.train_test_split(test_size=eval_split, seed=seed)
         return split["train"], split["test"]
-    if task.kind == "single_label":  # each class needs an example on each side
-        counts = Counter(strata)
-        names = train.features["labels"].names
-        scarce = [f"'{names[label]}' ({counts[label]} example)" for label in sorted(counts) if counts[label] < 2]
-        if scarce:
-            raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: class(es) {', '.join(scarce)} need at "
-                             "least 2 examples, one on each side; add examples, or give a held-out file with "
-                             "--eval_data")
     stratum_id = {stratum: i for i, stratum in enumerate(sorted(set(strata)))}
-    with_strata = train.add_column("stratum", [stratum_id[stratum] for stratum in strata],
-                                   feature=ClassLabel(num_classes=len(stratum_id)))
+    held_out = math.ceil(eval_split * len(train))
+    # train_test_split(stratify_by_column=...)'s own draw, given the strata in memory: it reads a column row by row.
     try:
-        split = with_strata.train_test_split(test_size=eval_split, seed=seed, stratify_by_column="stratum")
+        kept, held = next(stratified_shuffle_split_generate_indices(
+            np.array([stratum_id[stratum] for stratum in strata]), len(train) - held_out, held_out,
+            rng=np.random.default_rng(seed)))
     except ValueError as e:
         raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: {e}; give a held-out file with "
                          "--eval_data") from None
-    return split["train"].remove_columns(["stratum"]), split["test"].remove_columns(["stratum"])
+    return train.select(kept), train.select(held)
 
 
 def fingerprint(table: Dataset) -> str:
-    """A digest of the examples themselves, so a checkpoint can tell whether it sees the same data."""
+    """A digest of the examples themselves (labels and texts, in order), so a checkpoint can tell whether it sees
+    the same data. The texts are hashed a batch at a time in Arrow and C: per row in Python took seconds."""
     digest = hashlib.sha256()
-    columns = ["labels", *text_columns(table)]
-    for batch in table.select_columns(columns).iter(batch_size=4096):
-        for values in zip(*(batch[column] for column in columns)):
-            digest.update(("\t".join(map(str, values)) + "\n").encode())
+    columns = text_columns(table)
+    for batch in table.select_columns(["labels", *columns]).with_format("arrow").iter(batch_size=65536):
+        digest.update(json.dumps(batch["labels"].to_pylist()).encode())
+        for column in columns:
+            texts = batch[column].combine_chunks()
+            digest.update(pc.binary_length(texts).to_numpy().tobytes())  # where each text ends
+            digest.update(pc.binary_join(pa.ListArray.from_arrays([0, len(texts)], texts), "")[0].as_buffer())
     return digest.hexdigest()[:16]
 
 
@@ -423,20 +427,33 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
              show_progress: bool = False) -> Dataset:
     """Token ids plus each example's length, a pair's as one sequence (`tokenizer(text, text_pair)`, truncated
     longest first); `datasets` caches the result on disk between runs. `show_progress`: a bar and a line
-    from the local main process."""
+    from the local main process.
 
-    def encode(batch):
-        encoded = tokenizer(batch["text"], batch.get("text_pair"), truncation=True, max_length=max_length)
-        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
-        return encoded
+    Only the ids are stored, and the token types where they say something (a pair's, or a family that marks
+    single texts too) and the model takes them: the collator makes the attention mask as it pads.
+    """
+    texts = text_columns(table)
+    pairs = "text_pair" in texts
+    types = None if pairs or any(tokenizer("x").get("token_type_ids", [])) else False  # None: if the model takes them
+    ids_type = pa.list_(pa.int32())
+
+    def encode(batch: pa.Table) -> pa.Table:  # Arrow in and out: no per-row Python past the tokenizer's lists
+        pair = batch["text_pair"].to_pylist() if pairs else None
+        encoded = tokenizer(batch["text"].to_pylist(), pair, truncation=True, max_length=max_length,
+                            return_attention_mask=False, return_token_type_ids=types)
+        ids = pa.array(encoded["input_ids"], ids_type)
+        batch = batch.drop_columns(texts).append_column("input_ids", ids)
+        if "token_type_ids" in encoded:
+            batch = batch.append_column("token_type_ids", pa.array(encoded["token_type_ids"], pa.list_(pa.int8())))
+        return batch.append_column("length", pc.list_value_length(ids))
 
     start, started = time.perf_counter(), time.time()
     bar = show_progress and PartialState().is_main_process and not datasets.is_progress_bar_enabled()
     if bar:
         datasets.enable_progress_bars()
     try:
-        tokenized = table.map(encode, batched=True, remove_columns=text_columns(table), num_proc=num_proc,
-                              desc=f"data: tokenizing {len(table):,} examples")
+        tokenized = table.with_format("arrow").map(encode, batched=True, num_proc=num_proc,
+                                                   desc=f"data: tokenizing {len(table):,} examples").with_format(None)
     finally:
         if bar:
             datasets.disable_progress_bars()

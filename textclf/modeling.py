@@ -1,5 +1,6 @@
-"""Models to train: the offline default (a BERT built from config and a tokenizer learnt from the
-texts), anything `from_pretrained` loads, LoRA. Reading trained models back is `loading.py`'s."""
+"""Models: the one factory (make_model) that builds every model, to train, to read back, for the check
+and for the export; the offline default (a BERT built from config and a tokenizer learnt from the texts),
+anything `from_pretrained` loads, LoRA, AdamW's parameter groups."""
 
 import logging
 import os
@@ -8,16 +9,16 @@ import re
 import shutil
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
-    BertForSequenceClassification,
     BertTokenizerFast,
     PretrainedConfig,
     PreTrainedModel,
@@ -26,6 +27,11 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from .errors import InputError, say, verbose
+
+# The class of every model here (make_model), and the configs it has a class for (model_config): a fork that
+# wants another kind of head changes these two lines alone.
+MODEL_CLASS = AutoModelForSequenceClassification
+MODEL_CLASS_MAPPING = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 # Sizes of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
 SCRATCH_SIZES = {
@@ -62,8 +68,8 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
     except (OSError, ValueError) as e:
         raise load_refused(model, e, f"cannot read the config of model '{model}'") from None
     auto_map = getattr(config, "auto_map", None) or {}
-    custom_head = trust_remote_code and "AutoModelForSequenceClassification" in auto_map
-    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING and not custom_head:
+    custom_head = trust_remote_code and MODEL_CLASS.__name__ in auto_map
+    if type(config) not in MODEL_CLASS_MAPPING and not custom_head:
         raise InputError(f"'{model}' is a {config.model_type} model, and transformers has no sequence-classification "
                          f"class for {config.model_type} (AutoModelForSequenceClassification); choose a model of "
                          "another family (BERT, RoBERTa, Llama, Qwen2, GPT-2, ...)")
@@ -165,53 +171,106 @@ def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> Bert
                       max_position_embeddings=max(512, max_length), **SCRATCH_SIZES[size], **extra)
 
 
-def build_model(model: str, tokenizer, label_names: list[str], max_length: int, *,
-                problem_type: Optional[str] = None, config: Optional[PretrainedConfig] = None,
-                torch_dtype: str = "float32", gradient_checkpointing: bool = False,
-                trust_remote_code: bool = False) -> PreTrainedModel:
-    """A sequence classifier whose config carries the label names of the data, the task's `problem_type`
-    (which picks the model's loss: cross-entropy, binary cross-entropy per label, or squared error) and the
-    tokenizer's pad token.
-
-    `config` is `model_config(model, ...)` when the caller has read it already. `torch_dtype` is the
-    dtype the weights are loaded and kept in (a name of a torch dtype, or "auto" for the checkpoint's).
-    """
-    labels = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-                  label2id={name: i for i, name in enumerate(label_names)}, problem_type=problem_type)
-    dtype = getattr(torch, torch_dtype) if torch_dtype != "auto" else "auto"
+def training_config(model: str, tokenizer, head: dict, max_length: int, *, config: Optional[PretrainedConfig] = None,
+                    trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of the model to train: a scratch BERT's, or `model`'s own (`config` when the caller has read
+    it already with model_config), carrying the task's head (Task.head_config: the label names of the data
+    and the `problem_type` that picks the model's loss) and the tokenizer's pad token."""
     size = scratch_size(model)
     if size:
-        config = scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **labels)
-        built = BertForSequenceClassification(config)
-        if dtype not in ("auto", torch.float32):
-            built = built.to(dtype)
-    else:
-        config = config or model_config(model, max_length, trust_remote_code)
-        for key, value in labels.items():
-            setattr(config, key, value)
-        config.pad_token_id = tokenizer.pad_token_id  # what decoder heads look for to find each text's last token
-        if hasattr(config, "use_cache"):
-            config.use_cache = False  # a classifier never generates: no key/value cache to build and keep
+        return scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **head)
+    config = config or model_config(model, max_length, trust_remote_code)
+    for key, value in head.items():
+        setattr(config, key, value)
+    config.pad_token_id = tokenizer.pad_token_id  # what decoder heads look for to find each text's last token
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # a classifier never generates: no key/value cache to build and keep
+    return config
+
+
+def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: bool = False,
+               source: str = "the trained model", torch_dtype: Optional[str] = None,
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> PreTrainedModel:
+    """Every model of the project, as a MODEL_CLASS of `config`: to train, to read back, for the check.
+
+    `weights`: None for fresh random ones (a scratch model; none at all under `torch.device("meta")`, the
+    check's); a hub id or folder for `from_pretrained` (a backbone to fine-tune, whose new head is said in
+    one line, or with `complete` a model folder, which must hold every weight); or a full state dict
+    (a step_<N> checkpoint's, an export's copy), which must fit exactly, LoRA's adapters included; `source`
+    names it in the refusal.
+    `lora`: None; LoRA's settings (apply_lora's keywords) for new adapters; or a folder holding trained
+    ones (an exported LoRA folder, whose base `weights` then holds). `torch_dtype` is the dtype the weights
+    are loaded and kept in: a name of a torch dtype, or "auto" for the checkpoint's; None for the libraries'
+    defaults (from_pretrained: float32; from_config: the config's dtype, the trained model's).
+    """
+    dtype = {} if torch_dtype in (None, "auto") else {"dtype": getattr(torch, torch_dtype)}
+    if isinstance(weights, str):
         try:
-            with load_report_as_one_line(model):
-                built = AutoModelForSequenceClassification.from_pretrained(
-                    model, config=config, dtype=dtype, ignore_mismatched_sizes=True,
-                    trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot load a model from '{model}': {str(e).splitlines()[0]}") from None
-        except pickle.UnpicklingError:
-            raise pickled_weights(model) from None
+            with nullcontext() if complete else load_report_as_one_line(weights):
+                model, info = MODEL_CLASS.from_pretrained(
+                    weights, config=config, ignore_mismatched_sizes=True, output_loading_info=True,
+                    trust_remote_code=trust_remote_code, **({"dtype": "auto"} if torch_dtype == "auto" else dtype))
+        except SafetensorError as e:
+            raise InputError(f"cannot load a model from {weights}: a weights file is damaged or incomplete "
+                             f"({str(e).splitlines()[0]})" + ("; export it again" if complete else "")) from None
+        except (OSError, ValueError, KeyError) as e:
+            raise load_refused(weights, e, f"cannot load a model from {weights}") from None
+        except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
+            raise pickled_weights(weights) from None
+        # from_pretrained fills missing weights with random ones and only warns: a trained model is refused.
+        incomplete = info["missing_keys"] or info["mismatched_keys"]
+        if complete and incomplete:
+            raise InputError(f"{weights}: weights missing or of the wrong shape for its config: "
+                             f"{', '.join(sorted(map(str, incomplete))[:3])}")
+    else:
+        try:
+            model = MODEL_CLASS.from_config(config, trust_remote_code=trust_remote_code, **dtype)
+        except ValueError as e:
+            raise load_refused(source, e, f"cannot build the model of {source}") from None
     # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
-    built._no_split_modules = layer_classes(built)
+    model._no_split_modules = layer_classes(model)
     if gradient_checkpointing:
         # Non-reentrant: gradients reach LoRA's adapters through a frozen embedding without
         # `enable_input_require_grads`. transformers 5 renamed the method (the old name warns).
-        enable = getattr(built, "activation_checkpointing_enable", None) or built.gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         try:
             enable({"use_reentrant": False})
         except ValueError as e:
             raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None
-    return built
+    if isinstance(lora, dict):  # before prepare: DDP and DeepSpeed must see which parameters train
+        model = apply_lora(model, **lora)
+    if isinstance(weights, dict):
+        load_weights(model, weights, source)
+    if isinstance(lora, str):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, lora)
+    return model
+
+
+def lora_settings(config) -> Optional[dict]:
+    """apply_lora's keywords from a training config (a TrainConfig, or the dict a checkpoint keeps); None
+    without LoRA."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+    if not get("lora"):
+        return None
+    return dict(r=get("lora_r"), alpha=get("lora_alpha"), dropout=get("lora_dropout"),
+                target_modules=get("lora_target_modules"))
+
+
+def load_weights(model, state_dict: dict, source: str) -> None:
+    """Load a full state dict, refusing missing, extra or misshapen tensors (a random weight would pass silently)."""
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    consume_prefix_in_state_dict_if_present(state_dict, "module.")  # saved while wrapped by DDP
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # shapes that do not fit the config
+        raise InputError(f"the weights in {source} do not fit its config: {' '.join(str(e).split())[:300]}") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(f"the weights in {source} do not fit its config: {len(result.missing_keys)} tensor(s) "
+                         f"missing {result.missing_keys[:3]}, {len(result.unexpected_keys)} unexpected "
+                         f"{result.unexpected_keys[:3]}")
 
 
 @contextmanager

@@ -54,12 +54,11 @@ if __name__ == "__main__":
 
 import torch
 from accelerate import Accelerator
-from datasets import Dataset
-from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
-from .data import length_sorted_loader, read_inputs, tokenize
+from .data import read_inputs
 from .loading import load_trained, read_training
+from .model_folder import predict_logits
 from .task import Task
 
 
@@ -67,35 +66,6 @@ def inference_accelerator() -> Accelerator:
     """One process, or as many as `accelerate launch` starts. Without CUDA, `cpu=True` is what makes
     a multi-process launch form a gloo group (runtime.py); inference needs no DeepSpeed."""
     return Accelerator(cpu=not torch.cuda.is_available())
-
-
-def predict_logits(model, tokenizer, texts: list[str], pairs: Optional[list[str]] = None, *, batch_size: int = 64,
-                   accelerator: Optional[Accelerator] = None, progress: bool = False) -> torch.Tensor:
-    """Logits for `texts` (each with its pair from `pairs`), row i for text i: on one process, or shared out
-    among `accelerator`'s.
-
-    Every process gets the whole result. Under several processes accelerate pads the last batches
-    with repeated rows so that all processes run the same number; `gather_for_metrics` drops them.
-    """
-    max_length = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", float("inf")))
-    columns = {"text": list(texts), **({"text_pair": list(pairs)} if pairs is not None else {})}
-    table = tokenize(Dataset.from_dict({**columns, "index": list(range(len(texts)))}), tokenizer, max_length)
-    loader = length_sorted_loader(table, tokenizer, batch_size)
-    if accelerator is not None:
-        loader = accelerator.prepare(loader)  # shards the batches and moves them to the device
-        model.to(accelerator.device)
-    device = next(model.parameters()).device
-    logits = torch.empty(len(texts), model.config.num_labels)
-    show = progress and (accelerator is None or accelerator.is_local_main_process)
-    model.eval()
-    with torch.no_grad():
-        for batch in tqdm(loader, desc="predict", unit="batch", disable=not show):
-            index = batch.pop("index")
-            batch_logits = model(**batch.to(device)).logits.float()
-            if accelerator is not None:
-                index, batch_logits = accelerator.gather_for_metrics((index, batch_logits))
-            logits[index.cpu()] = batch_logits.cpu()
-    return logits
 
 
 def label_names(model) -> list[str]:

@@ -4,12 +4,11 @@
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.report --model ... --file ... ...
 
 Prints the task's scores (textclf/task.py) for the model and for a TF-IDF + linear baseline fitted on
-the examples the model was trained on (textclf/baseline.py), then a precision / recall / F1 / support
-table per class (single_label) or per label (multi_label), with their names. Writes it all to
-<output_dir>/report.json, and draws the confusion matrix (single_label: confusion_matrix.png) or the
-predicted against the true scores (regression: predicted_vs_true.png). The task, the columns and the
-training data are those of the run that trained the model (its training.json, or a checkpoint's
-position.json) unless given here.
+the examples the model was trained on (textclf/baseline.py), then what the task adds (Task.figures: a
+precision / recall / F1 / support table per class or per label, with their names). Writes it all to
+<output_dir>/report.json, and draws the task's picture (Task.picture: the confusion matrix, or the
+predicted against the true scores). The task, the columns and the training data are those of the run
+that trained the model (its training.json, or a checkpoint's position.json) unless given here.
 """
 
 import argparse
@@ -21,7 +20,6 @@ from .config import TrainConfig, add_loading_options, add_task_options, require_
 from .errors import InputError, die_with_launcher, run_command
 
 REPORT = "report.json"
-PICTURES = {"single_label": "confusion_matrix.png", "regression": "predicted_vs_true.png"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--file", required=True, help="labelled data, in any format --data takes")
     add_task_options(parser)
     parser.add_argument("--label_column", help="the column that holds the true label (default: the training run's)")
-    parser.add_argument("--label_separator", help="multi_label: what separates the names in a CSV label cell "
+    parser.add_argument("--label_separator", help="several labels: what separates the names in a CSV label cell "
                                                   "(default: the training run's)")
     parser.add_argument("--delimiter", help="field delimiter of a delimited --file (default: by suffix)")
     parser.add_argument("--encoding", help="text encoding of --file (default: UTF-8, or GB18030 when not UTF-8)")
@@ -52,41 +50,15 @@ if __name__ == "__main__":
 
 import numpy as np
 from datasets import Dataset
-from sklearn.metrics import classification_report, confusion_matrix
+from sklearn.metrics import classification_report
 from transformers.utils import logging as transformers_logging
 
 from .baseline import baseline_predictions
 from .checkpoint import write_json
 from .data import DEFAULT_DATA, fingerprint, load_splits, read_labelled
 from .loading import load_trained, read_training
-from .metrics import compute_scores
 from .predict import inference_accelerator, label_names, predict_logits, run_config
 from .task import Task
-
-
-def task_scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
-    """The task's scores as training's evaluation computes them; macro-F1 over every class the model has."""
-    labels = list(range(len(names))) if task.kind == "single_label" else None
-    return compute_scores(task.kind, predictions, references, labels=labels)
-
-
-def scores(task: Task, references: list, predictions: list, names: list[str]) -> dict:
-    """The task's scores, the per-class (single_label) or per-label (multi_label) table, and the confusion
-    matrix (single_label)."""
-    single = task.kind == "single_label"
-    labels = list(range(len(names)))
-    report = {"samples": len(references), **task_scores(task, references, predictions, names)}
-    if task.kind == "regression":
-        return report
-    table = classification_report(references, predictions, labels=labels, target_names=names, output_dict=True,
-                                  zero_division=0)
-    report["per_class" if single else "per_label"] = {
-        name: {"precision": table[name]["precision"], "recall": table[name]["recall"], "f1": table[name]["f1-score"],
-               "support": int(table[name]["support"])} for name in names}
-    report["labels"] = names
-    if single:  # rows: true label, columns: predicted label
-        report["confusion_matrix"] = confusion_matrix(references, predictions, labels=labels).tolist()
-    return report
 
 
 def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path: str) -> Dataset:
@@ -180,6 +152,13 @@ def draw_predicted_vs_true(references: list[float], predictions: list[float], ti
     save_figure(figure, path)
 
 
+# The pictures a task may name (Task.picture), and what draws each from the report and the predictions.
+DRAWINGS = {
+    "confusion_matrix.png": lambda report, references, predictions, *where: draw_confusion_matrix(report, *where),
+    "predicted_vs_true.png": lambda report, *drawn: draw_predicted_vs_true(*drawn),
+}
+
+
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()
@@ -199,27 +178,26 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     if accelerator.is_main_process:
         references, predictions = table["labels"][:], task.predictions(logits).tolist()
         report = {"model": args.model, "file": args.file, "task": task.kind,
-                  **scores(task, references, predictions, names)}
+                  "samples": len(references), **task.compute_scores(predictions, references, names),
+                  **task.figures(references, predictions, names)}  # scores over every label the model has
         print(f"model:    {task.summary(report, prefix='', separator=' | ')} | {len(table)} examples of {args.file}")
         if train is not None:
             baseline, about = baseline_predictions(task, train, table)
-            report["baseline"] = {**about, **task_scores(task, references, baseline, names)}
+            report["baseline"] = {**about, **task.compute_scores(baseline, references, names)}
             print(f"baseline: {task.summary(report['baseline'], prefix='', separator=' | ')} | {about['method']}, "
                   f"fitted in {about['fit_seconds']:.1f} s on the {about['train_examples']} examples the model "
                   "was trained on")
         elif not args.no_baseline:
             print(f"baseline: none ({args.model} does not say what it was trained on; pass --train_data)")
-        if task.kind != "regression":
+        if "labels" in report:  # a task with a table per label
             print(classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
                                         digits=4, zero_division=0))
         os.makedirs(args.output_dir, exist_ok=True)
         write_json(os.path.join(args.output_dir, REPORT), report)
-        picture = PICTURES.get(task.kind)
-        title = f"{task.summary(report, prefix='')}, {report['samples']} examples"
-        if task.kind == "single_label":
-            draw_confusion_matrix(report, title, os.path.join(args.output_dir, picture))
-        elif task.kind == "regression":
-            draw_predicted_vs_true(references, predictions, title, os.path.join(args.output_dir, picture))
+        picture = task.picture
+        if picture:
+            title = f"{task.summary(report, prefix='')}, {report['samples']} examples"
+            DRAWINGS[picture](report, references, predictions, title, os.path.join(args.output_dir, picture))
         print(f"wrote {REPORT}{f' and {picture}' if picture else ''} to {args.output_dir}")
     accelerator.end_training()
 

@@ -1,58 +1,55 @@
-"""What a task is, in one place: data, metrics, predict, report, export, rotation and check ask it.
-
-    --task single_label   one label per example (the default): softmax, the likeliest label;
-                          accuracy and macro-F1
-    --task multi_label    a set of labels per example: a sigmoid per label, those above --threshold;
-                          micro-F1, macro-F1 and subset accuracy
-    --task regression     a number per example: the model's raw score; MSE, Pearson and Spearman
-    --text_pair_column    with any of the three: two texts per example, tokenized as a pair
-
-The model's config records the task (`problem_type`, `id2label`), so that the model computes the
-right loss itself (as under the Trainer) and `pipeline("text-classification")` applies the right
-function to its outputs: softmax, sigmoid, or none.
+"""What a task is: one class per kind (--task: SingleLabel, MultiLabel, Regression; --text_pair_column makes
+pairs of any), asked by data, training, predict, report and the check. A kind owns its labels, its head
+(`problem_type`: the model computes the right loss itself, as under the Trainer, and `pipeline` applies
+softmax, sigmoid or none), its predictions, scores and their direction, its baseline and its report.
+docs/tasks.md shows how to add one. Nothing heavy is imported at the top: the command lines read KINDS.
 """
 
 import json
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
-import numpy as np
-
-from .config import KINDS  # noqa: F401  (the kinds of task, where the command lines read them early)
 from .errors import InputError
-
-PROBLEM_TYPES = {"single_label": "single_label_classification", "multi_label": "multi_label_classification",
-                 "regression": "regression"}
-# Each kind's scores in the order they are printed: key (logged as eval_<key>), title, whether higher is better.
-METRICS = {
-    "single_label": [("accuracy", "accuracy", True), ("f1", "macro-F1", True)],
-    "multi_label": [("micro_f1", "micro-F1", True), ("macro_f1", "macro-F1", True),
-                    ("subset_accuracy", "subset accuracy", True)],
-    "regression": [("mse", "MSE", False), ("pearson", "Pearson", True), ("spearman", "Spearman", True)],
-}
-MAIN_METRIC = {"single_label": "eval_f1", "multi_label": "eval_micro_f1", "regression": "eval_mse"}
-SCORE = "score"  # the name of a regression model's one output (its id2label)
-QUANTILE_BINS = 10  # strata of a regression target for the held-out split
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # one of KINDS
+    """What every kind shares: the columns and options, and what does not depend on the kind.
+
+    A kind (a subclass, named in KINDS) sets the class attributes below and defines label, label_names,
+    encode_labels, strata, predictions, compute_scores, predicted, shown and baseline (see SingleLabel's);
+    it may change check_labels, targets and figures.
+    """
+
     text_column: str
     label_column: str
     text_pair_column: Optional[str] = None
     label_separator: str = ","
     threshold: float = 0.5
 
+    kind: ClassVar[str]  # the --task name
+    problem_type: ClassVar[str]  # transformers' name: picks the model's loss and the pipeline's function
+    scores: ClassVar[list[tuple[str, str, bool]]]  # key (logged as eval_<key>), title, whether higher is better
+    main_metric: ClassVar[str]  # the default metric_for_best_model
+    fewest_labels: ClassVar[int] = 1  # the smallest head (for the check, which reads no data)
+    picture: ClassVar[Optional[str]] = None  # the file report draws (report.DRAWINGS)
+
+    def __post_init__(self):
+        if type(self) is Task:  # Task("single_label", ...) would take the kind for the text column
+            raise TypeError("Task is what the kinds share: make one with Task.of(kind, ...) or a kind's class")
+
+    @staticmethod
+    def of(kind: str, *columns, **options) -> "Task":
+        """The task of kind `kind` (a key of KINDS): `Task.of("regression", "review", "stars")`."""
+        return KINDS[kind](*columns, **options)
+
     @classmethod
     def from_config(cls, cfg) -> "Task":
         """The task of a training config (TrainConfig, or anything with its task fields)."""
-        return cls(cfg.task, cfg.text_column, cfg.label_column, cfg.text_pair_column, cfg.label_separator,
-                   cfg.threshold)
-
-    # --- the examples ----------------------------------------------------------------------------------
+        return cls.of(cfg.task, cfg.text_column, cfg.label_column, cfg.text_pair_column, cfg.label_separator,
+                      cfg.threshold)
 
     @property
     def text_columns(self) -> dict[str, str]:
@@ -60,215 +57,350 @@ class Task:
         (tokenized as `tokenizer(text, text_pair)`, so the pair's length is what length grouping sees)."""
         return {"text": self.text_column, **({"text_pair": self.text_pair_column} if self.text_pair_column else {})}
 
-    # --- labels ----------------------------------------------------------------------------------------
-
     def parse_labels(self, cells: list, path: str, rows: Optional[list[int]] = None) -> list:
-        """The label column's cells as this task reads them: classes (names or integers), lists of label names,
-        or numbers. Names are trimmed; only an empty cell is missing. `rows` are the cells' row numbers in the
-        file (default 1, 2, ...), for the errors."""
+        """The label column's cells as this kind reads them (`label`). Names are trimmed; only an empty cell is
+        missing. `rows` are the cells' row numbers in the file (default 1, 2, ...), for the errors."""
         rows = rows or list(range(1, len(cells) + 1))
         parsed = []
         for row, cell in zip(rows, cells):
             if isinstance(cell, str):
                 cell = cell.replace("\ufeff", "").strip() or None  # `书籍 ` is `书籍`; only an empty cell is missing
-            if self.kind == "single_label":
-                parsed.append(self._class(cell, path, row))
-            elif self.kind == "multi_label":
-                parsed.append(self._label_set(cell, path, row))
-            else:
-                parsed.append(self._number(cell, path, row))
-        if self.kind != "multi_label":  # an empty multi-label cell is an empty set
-            missing = [row for row, label in zip(rows, parsed) if label is None]
-            if missing:
-                raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
-                                 "fill them in or remove those rows")
-        if self.kind == "single_label":
-            first = {}  # the first row of each kind of class
-            for row, label in zip(rows, parsed):
-                first.setdefault(type(label), (row, label))
-            if len(first) > 1:
-                (int_row, number), (str_row, name) = first[int], first[str]
-                raise InputError(f"{path}: label column '{self.label_column}' mixes integers (row {int_row}: "
-                                 f"{number}) and names (row {str_row}: {name!r}); write every label as a name, or "
-                                 "every label as an integer")
+            parsed.append(self.label(cell, f"{path} row {row}"))
+        self.check_labels(parsed, rows, path)
         return parsed
 
-    def _class(self, cell, path: str, row: int):
-        """A single-label class: a name (str) or an integer; None when missing."""
-        where = f"{path} row {row}: label {cell!r} in column '{self.label_column}'"
-        if cell is None or isinstance(cell, str):
-            return cell
+    def check_labels(self, labels: list, rows: list[int], path: str) -> None:
+        """What the column as a whole must satisfy: here, no missing label."""
+        missing = [row for row, label in zip(rows, labels) if label is None]
+        if missing:
+            raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
+                             "fill them in or remove those rows")
+
+    def check_known(self, seen: set, names: list[str], path: str) -> dict[str, int]:
+        """Each label name's id, once every name seen is one the training data has."""
+        unseen = sorted(seen - set(names))
+        if unseen:
+            raise InputError(f"{path} has label(s) {', '.join(unseen)} not seen in the training data "
+                             f"(known: {', '.join(names)})")
+        return {name: i for i, name in enumerate(names)}
+
+    def head_config(self, label_names: list[str]) -> dict:
+        """What the model's config takes for this task's head: num_labels, id2label, label2id, problem_type."""
+        return dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+                    label2id={name: i for i, name in enumerate(label_names)}, problem_type=self.problem_type)
+
+    def targets(self, labels):
+        """A batch's `labels` as the scores take them."""
+        return labels
+
+    @property
+    def metrics(self) -> list[str]:
+        """The keys of this task's scores, as logged (eval_<key>)."""
+        return [f"eval_{key}" for key, _, _ in self.scores]
+
+    def greater_is_better(self, metric: str) -> bool:
+        """Whether a higher value of `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
+        return {key: higher for key, _, higher in self.scores}[metric.removeprefix("eval_")]
+
+    def summary(self, scores: dict, prefix: str = "eval_", separator: str = ", ") -> str:
+        """'accuracy 0.8180, macro-F1 0.8170': the scores by title (n/a: undefined, e.g. a constant prediction)."""
+        return separator.join(f"{title} {format_score(scores[prefix + key])}" for key, title, _ in self.scores)
+
+    def prediction_rows(self, texts: list[str], pairs: Optional[list[str]], logits, names: list[str]) -> list[dict]:
+        """One row per example: its text(s), then what the kind predicts (`predicted`)."""
+        rows = [{"text": text} if pairs is None else {"text": text, "text_pair": pair}
+                for text, pair in zip(texts, pairs or texts)]
+        return [{**row, **fields} for row, fields in zip(rows, self.predicted(logits, names))]
+
+    def terminal_line(self, row: dict) -> str:
+        """A prediction row as one line: the prediction (`shown`), then the text (and its pair)."""
+        return "\t".join([self.shown(row), *(row[column] for column in ("text", "text_pair") if column in row)])
+
+    def figures(self, references: list, predictions: list, names: list[str]) -> dict:
+        """What the report adds to the scores (report.json), beside its `picture`."""
+        return {}
+
+
+class SingleLabel(Task):
+    """one label per text (softmax over the labels)"""
+
+    kind = "single_label"
+    problem_type = "single_label_classification"
+    scores = [("accuracy", "accuracy", True), ("f1", "macro-F1", True)]
+    main_metric = "eval_f1"
+    fewest_labels = 2
+    picture = "confusion_matrix.png"
+
+    def label(self, cell, row: str):
+        """One cell's label, None where missing; `row` ('<file> row <N>') begins the error of a cell that is not
+        one. Here a class: a name (str) or an integer."""
+        where = f"{row}: label {cell!r} in column '{self.label_column}'"
         if isinstance(cell, bool):  # true/false cells: two names
             return str(cell)
-        if isinstance(cell, int):
+        if isinstance(cell, float) and cell.is_integer():  # 1.0 is class 1 (a JSON writer's integers)
+            return int(cell)
+        if cell is None or isinstance(cell, (str, int)):
             return cell
         if isinstance(cell, float):
-            if cell.is_integer():  # 1.0 is class 1 (a JSON writer's integers)
-                return int(cell)
             raise InputError(f"{where} is not a class (classes are names or integers); for a number per example "
                              "use --task regression")
         if isinstance(cell, list):
             raise InputError(f"{where} is a list; a label set per example is --task multi_label")
         raise InputError(f"{where} is a {type(cell).__name__}, not a class; a class is a name or an integer")
 
-    def _label_set(self, cell, path: str, row: int) -> list[str]:
-        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label."""
-        where = f"{path} row {row}: label cell {cell!r}"
-        if isinstance(cell, str) and cell.strip().startswith("["):
-            try:
-                cell = json.loads(cell)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where} does not parse as a JSON list ({e.msg}); write a JSON list of names, "
-                                 f"or names separated by '{self.label_separator}' (--label_separator)") from None
-        if cell is None:
-            return []
-        if isinstance(cell, str):
-            names = cell.split(self.label_separator)
-        elif isinstance(cell, list):
-            names = cell
-        elif isinstance(cell, int) and not isinstance(cell, bool):
-            names = [cell]
-        else:
-            raise InputError(f"{where} is not a list of label names (expected a list, or names separated by "
-                             f"'{self.label_separator}')")
-        if not all(isinstance(name, str) or (isinstance(name, int) and not isinstance(name, bool)) for name in names):
-            raise InputError(f"{where} holds something other than label names (strings or integers)")
-        return sorted({str(name).strip() for name in names} - {""})
-
-    def _number(self, cell, path: str, row: int) -> Optional[float]:
-        if cell is None:  # an empty cell (a blank string was made None by parse_labels)
-            return None
-        try:
-            value = float(cell)
-        except (TypeError, ValueError):
-            value = math.nan
-        if isinstance(cell, bool) or not math.isfinite(value):
-            raise InputError(f"{path} row {row}: label {cell!r} in column '{self.label_column}' is not a finite "
-                             "number, which --task regression needs")
-        return value
+    def check_labels(self, labels: list, rows: list[int], path: str) -> None:
+        """No missing label, and integers or names, not both."""
+        super().check_labels(labels, rows, path)
+        first = {type(label): (row, label) for row, label in reversed(list(zip(rows, labels)))}  # each type's first
+        if len(first) > 1:
+            (int_row, number), (str_row, name) = first[int], first[str]
+            raise InputError(f"{path}: label column '{self.label_column}' mixes integers (row {int_row}: {number}) "
+                             f"and names (row {str_row}: {name!r}); write every label as a name, or every label as "
+                             "an integer")
 
     def label_names(self, labels: list, path: str) -> list[str]:
-        """The model's outputs in id order: the labels sorted (numerically for integer labels), or SCORE."""
-        if self.kind == "regression":
-            return [SCORE]
-        if self.kind == "multi_label":
-            names = sorted({name for names in labels for name in names})
-            if not names:
-                raise InputError(f"{path} has no label in any row of column '{self.label_column}'")
-            return names
+        """The model's outputs in id order (its id2label): here the labels sorted (numerically for integers)."""
         names = [str(label) for label in sorted(set(labels))]
         if len(names) < 2:
             raise InputError(f"{path} has a single label ({names[0]}); a classifier needs at least two")
         return names
 
     def encode_labels(self, labels: list, names: list[str], path: str):
-        """(the `labels` column the model's loss takes, its feature): class ids, multi-hot floats, or floats."""
-        from datasets import ClassLabel, List, Value  # here: the command line reads this module before `datasets`
+        """(the `labels` column the model's loss takes, its `datasets` feature): here class ids."""
+        from datasets import ClassLabel
 
-        if self.kind == "regression":
-            return labels, Value("float32")
-        seen = {str(label) for label in labels} if self.kind == "single_label" else {n for ns in labels for n in ns}
-        unseen = sorted(seen - set(names))
-        if unseen:
-            raise InputError(f"{path} has label(s) {', '.join(unseen)} not seen in the training data "
-                             f"(known: {', '.join(names)})")
-        label_id = {name: i for i, name in enumerate(names)}
-        if self.kind == "single_label":
-            return [label_id[str(label)] for label in labels], ClassLabel(names=names)
-        hot = np.zeros((len(labels), len(names)), dtype=np.float32)
-        for row, row_names in enumerate(labels):
-            hot[row, [label_id[name] for name in row_names]] = 1
-        return hot.tolist(), List(Value("float32"), length=len(names))
+        label_id = self.check_known({str(label) for label in labels}, names, path)
+        return [label_id[str(label)] for label in labels], ClassLabel(names=names)
 
-    @property
-    def problem_type(self) -> str:
-        """transformers' name for the task, set on the model's config: it picks the loss and the pipeline's function."""
-        return PROBLEM_TYPES[self.kind]
+    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
+        """(what the held-out split is stratified by, one value per example or None for a random split, how to say
+        so). `names`: the labels' names; `held_out`: how many examples it holds out; `refusal` begins the error
+        when it cannot be. Here the labels: each class needs an example on each side."""
+        counts = Counter(labels)
+        scarce = [f"'{names[label] if names else label}' (1 example)" for label in sorted(counts) if counts[label] < 2]
+        if scarce:
+            raise InputError(f"{refusal} stratified by label: class(es) {', '.join(scarce)} need at least 2 examples, "
+                             "one on each side; add examples, or give a held-out file with --eval_data")
+        return labels, "stratified by label"
 
-    @property
-    def fewest_labels(self) -> int:
-        """The smallest head a model of this task has (for the check, which reads no data)."""
-        return 2 if self.kind == "single_label" else 1
+    def predictions(self, logits):
+        """Logits (a tensor, examples x outputs) to what the scores take: here the likeliest label's id."""
+        return logits.argmax(dim=-1)
 
-    def strata(self, labels: list, held_out: int) -> tuple[Optional[list], str]:
-        """What the held-out split is stratified by (one value per example; None: a random split), and how to
-        say so. `labels` are the encoded ones; `held_out` is the number of examples the split holds out."""
-        if self.kind == "single_label":
-            return labels, "stratified by label"
-        if self.kind == "multi_label":
-            sets = [" ".join(str(i) for i, hot in enumerate(row) if hot) for row in labels]
-            counts = Counter(sets)
-            once = sum(count == 1 for count in counts.values())
-            if once:
-                return None, f"not stratified: {once} of its {len(counts)} label sets occur only once"
-            if len(counts) > held_out:
-                return None, f"not stratified: {len(counts)} label sets, more than the {held_out} held-out examples"
-            return sets, f"stratified by label set ({len(counts)} sets)"
+    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
+        """The scores by key (`scores`). `names`: every label the model has, which the report averages over;
+        else those that occur. scikit-learn's and SciPy's, as `evaluate`'s metric scripts (on the Hub) call them."""
+        from sklearn.metrics import accuracy_score, f1_score
+
+        labels = list(range(len(names))) if names else None
+        return {"accuracy": float(accuracy_score(references, predictions)),
+                "f1": float(f1_score(references, predictions, average="macro", labels=labels, zero_division=0))}
+
+    def predicted(self, logits, names: list[str]) -> list[dict]:
+        """Each example's prediction as predict writes it: here `label` (the id), `label_name`, and `prob_<name>`
+        per label (softmax)."""
+        return [{"label": int(p.argmax()), "label_name": names[int(p.argmax())],
+                 **{f"prob_{name}": float(value) for name, value in zip(names, p)}} for p in logits.float().softmax(-1)]
+
+    def shown(self, row: dict) -> str:
+        """A prediction as predict prints it, before the text."""
+        return f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}"
+
+    def baseline(self):
+        """(the scikit-learn model the report fits on TF-IDF features, what to call it)."""
+        from sklearn.linear_model import LogisticRegression
+
+        # saga: on these sparse, wide features it fits several times faster than lbfgs (the default; figures in
+        # docs/after-training.md); 1000 iterations, because at 100 it stopped short of converging on small data;
+        # saga shuffles, so it is seeded.
+        return LogisticRegression(solver="saga", max_iter=1000, random_state=0), "logistic regression"
+
+    def figures(self, references: list, predictions: list, names: list[str]) -> dict:
+        """The per-class table and the confusion matrix (rows: true label, columns: predicted label)."""
+        from sklearn.metrics import confusion_matrix
+
+        matrix = confusion_matrix(references, predictions, labels=list(range(len(names))))
+        return {"per_class": label_table(references, predictions, names), "labels": names,
+                "confusion_matrix": matrix.tolist()}
+
+
+class MultiLabel(Task):
+    """a set of labels per text (a sigmoid per label, those above --threshold)"""
+
+    kind = "multi_label"
+    problem_type = "multi_label_classification"
+    scores = [("micro_f1", "micro-F1", True), ("macro_f1", "macro-F1", True),
+              ("subset_accuracy", "subset accuracy", True)]
+    main_metric = "eval_micro_f1"
+
+    def label(self, cell, row: str) -> list[str]:
+        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label, []."""
+        where = f"{row}: label cell {cell!r}"
+        if isinstance(cell, str) and cell.startswith("["):
+            try:
+                cell = json.loads(cell)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where} does not parse as a JSON list ({e.msg}); write a JSON list of names, "
+                                 f"or names separated by '{self.label_separator}' (--label_separator)") from None
+        names = cell.split(self.label_separator) if isinstance(cell, str) else [] if cell is None else cell
+        if isinstance(names, int) and not isinstance(names, bool):
+            names = [names]
+        if not isinstance(names, list) or any(isinstance(name, bool) or not isinstance(name, (str, int))
+                                              for name in names):
+            raise InputError(f"{where} is not a list of label names (strings or integers), nor names separated by "
+                             f"'{self.label_separator}'")
+        return sorted({str(name).strip() for name in names} - {""})
+
+    def label_names(self, labels: list, path: str) -> list[str]:
+        """Every name of every set, sorted."""
+        names = sorted({name for names in labels for name in names})
+        if not names:
+            raise InputError(f"{path} has no label in any row of column '{self.label_column}'")
+        return names
+
+    def encode_labels(self, labels: list, names: list[str], path: str):
+        """Multi-hot floats (the loss is binary cross-entropy per label)."""
+        from datasets import List, Value
+
+        self.check_known({name for names in labels for name in names}, names, path)
+        hot = [[float(name in chosen) for name in names] for chosen in map(set, labels)]
+        return hot, List(Value("float32"), length=len(names))
+
+    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
+        """The label sets, where each occurs at least twice and they are fewer than the held-out examples."""
+        sets = [" ".join(str(i) for i, hot in enumerate(row) if hot) for row in labels]
+        counts = Counter(sets)
+        once = sum(count == 1 for count in counts.values())
+        if once:
+            return None, f"not stratified: {once} of its {len(counts)} label sets occur only once"
+        if len(counts) > held_out:
+            return None, f"not stratified: {len(counts)} label sets, more than the {held_out} held-out examples"
+        return sets, f"stratified by label set ({len(counts)} sets)"
+
+    def predictions(self, logits):
+        """0/1 per label: its sigmoid above the threshold."""
+        return (logits.float().sigmoid() > self.threshold).long()
+
+    def targets(self, labels):
+        return labels.long()  # the multi-hot floats as 0/1
+
+    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
+        from sklearn.metrics import accuracy_score, f1_score
+
+        # On 0/1 indicator rows scikit-learn's accuracy is subset accuracy (every label of the example right).
+        return {"micro_f1": float(f1_score(references, predictions, average="micro", zero_division=0)),
+                "macro_f1": float(f1_score(references, predictions, average="macro", zero_division=0)),
+                "subset_accuracy": float(accuracy_score(references, predictions))}
+
+    def predicted(self, logits, names: list[str]) -> list[dict]:
+        """`label_names` (those above the threshold) and `prob_<name>` per label (sigmoid)."""
+        return [{"label_names": [name for name, hot in zip(names, chosen) if hot],
+                 **{f"prob_{name}": float(value) for name, value in zip(names, p)}}
+                for chosen, p in zip(self.predictions(logits).tolist(), logits.float().sigmoid())]
+
+    def shown(self, row: dict) -> str:
+        return self.label_separator.join(row["label_names"]) or f"(no label above {self.threshold})"
+
+    def baseline(self):
+        from sklearn.multiclass import OneVsRestClassifier
+
+        classifier, _ = SingleLabel.baseline(self)
+        return OneVsRestClassifier(classifier), "one-vs-rest logistic regression"
+
+    def figures(self, references: list, predictions: list, names: list[str]) -> dict:
+        """The per-label table."""
+        return {"per_label": label_table(references, predictions, names), "labels": names}
+
+
+class Regression(Task):
+    """a number per text (one output, the raw score)"""
+
+    kind = "regression"
+    problem_type = "regression"
+    scores = [("mse", "MSE", False), ("pearson", "Pearson", True), ("spearman", "Spearman", True)]
+    main_metric = "eval_mse"
+    picture = "predicted_vs_true.png"
+    output = "score"  # the name of the model's one output (its id2label) and of predict's column
+    bins = 10  # the most quantile bins of the target that stratify the held-out split
+
+    def label(self, cell, row: str) -> Optional[float]:
+        """A finite number."""
+        if cell is None:
+            return None
+        try:
+            value = float(cell)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(cell, bool) or not math.isfinite(value):
+            raise InputError(f"{row}: label {cell!r} in column '{self.label_column}' is not a finite number, which "
+                             "--task regression needs")
+        return value
+
+    def label_names(self, labels: list, path: str) -> list[str]:
+        return [self.output]
+
+    def encode_labels(self, labels: list, names: list[str], path: str):
+        """The numbers, as floats."""
+        from datasets import Value
+
+        return labels, Value("float32")
+
+    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
+        """Quantile bins of the target: as many as keep at least 2 examples in each."""
+        import numpy as np
+
         values = np.asarray(labels)
-        for bins in range(min(QUANTILE_BINS, held_out), 1, -1):
+        for bins in range(min(self.bins, held_out), 1, -1):
             edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)[1:-1]))
             strata = np.searchsorted(edges, values, side="right")
             if np.bincount(strata).min() >= 2:
                 return strata.tolist(), f"stratified by {len(edges) + 1} quantile bins of the target"
         return None, "not stratified: too few examples to bin the target"
 
-    # --- outputs and scores ------------------------------------------------------------------------------
-
     def predictions(self, logits):
-        """Logits (a tensor, examples x outputs) to predictions: label ids, 0/1 per label, or scores."""
-        if self.kind == "single_label":
-            return logits.argmax(dim=-1)
-        if self.kind == "multi_label":
-            return (logits.float().sigmoid() > self.threshold).long()
+        """The one output."""
         return logits[:, 0].float()
 
-    def targets(self, labels):
-        """A batch's `labels` as the scores take them: ids, 0/1 per label (the multi-hot floats), or scores."""
-        return labels.long() if self.kind == "multi_label" else labels
+    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
+        from scipy.stats import pearsonr, spearmanr
+        from sklearn.metrics import mean_squared_error
 
-    @property
-    def metrics(self) -> list[str]:
-        """The keys of this task's scores, as logged (eval_<key>)."""
-        return [f"eval_{key}" for key, _, _ in METRICS[self.kind]]
+        return {"mse": float(mean_squared_error(references, predictions)),
+                "pearson": correlation(pearsonr, predictions, references),
+                "spearman": correlation(spearmanr, predictions, references)}
 
-    def greater_is_better(self, metric: str) -> bool:
-        """Whether a higher value of `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
-        directions = {key: higher for key, _, higher in METRICS[self.kind]}
-        return directions[metric.removeprefix("eval_")]
+    def predicted(self, logits, names: list[str]) -> list[dict]:
+        return [{self.output: float(score)} for score in self.predictions(logits)]
 
-    def summary(self, scores: dict, prefix: str = "eval_", separator: str = ", ") -> str:
-        """'accuracy 0.8180, macro-F1 0.8170': the scores by title (n/a: undefined, e.g. a constant prediction)."""
-        return separator.join(f"{title} {format_score(scores[prefix + key])}" for key, title, _ in METRICS[self.kind])
+    def shown(self, row: dict) -> str:
+        return f"{row[self.output]:.4f}"
 
-    def prediction_rows(self, texts: list[str], pairs: Optional[list[str]], logits, names: list[str]) -> list[dict]:
-        """One row per example: its text(s), then the label id, name and a probability per label (single_label);
-        the names above the threshold and a sigmoid per label (multi_label); or the score (regression)."""
-        rows = [{"text": text} for text in texts]
-        if pairs is not None:
-            for row, pair in zip(rows, pairs):
-                row["text_pair"] = pair
-        if self.kind == "regression":
-            return [{**row, SCORE: float(score)} for row, score in zip(rows, self.predictions(logits))]
-        if self.kind == "single_label":
-            probabilities = logits.float().softmax(dim=-1)
-            predicted = [{"label": int(p.argmax()), "label_name": names[int(p.argmax())]} for p in probabilities]
-        else:
-            probabilities = logits.float().sigmoid()
-            predicted = [{"label_names": [name for name, hot in zip(names, row) if hot]}
-                         for row in self.predictions(logits).tolist()]
-        return [{**row, **chosen, **{f"prob_{name}": float(value) for name, value in zip(names, p)}}
-                for row, chosen, p in zip(rows, predicted, probabilities)]
+    def baseline(self):
+        from sklearn.linear_model import Ridge
 
-    def terminal_line(self, row: dict) -> str:
-        """A prediction row as one line: the label name and its probability, the names, or the score; then
-        the text (and its pair)."""
-        texts = "\t".join(row[column] for column in ("text", "text_pair") if column in row)
-        if self.kind == "single_label":
-            return f"{row['label_name']}\t{row['prob_' + row['label_name']]:.4f}\t{texts}"
-        if self.kind == "multi_label":
-            names = self.label_separator.join(row["label_names"]) or f"(no label above {self.threshold})"
-            return f"{names}\t{texts}"
-        return f"{row[SCORE]:.4f}\t{texts}"
+        return Ridge(), "ridge regression"
+
+
+# The kinds by their --task name; the first is the default.
+KINDS = {task.kind: task for task in (SingleLabel, MultiLabel, Regression)}
+
+
+def label_table(references: list, predictions: list, names: list[str]) -> dict:
+    """Precision, recall, F1 and support per label (ids, or 0/1 rows), by name."""
+    from sklearn.metrics import classification_report
+
+    table = classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
+                                  output_dict=True, zero_division=0)
+    return {name: {"precision": table[name]["precision"], "recall": table[name]["recall"],
+                   "f1": table[name]["f1-score"], "support": int(table[name]["support"])} for name in names}
+
+
+def correlation(function, predictions, references) -> Optional[float]:
+    """None where a correlation is undefined (fewer than two examples, or a constant side), not SciPy's nan."""
+    if min(len(set(predictions)), len(set(references))) < 2:
+        return None
+    value = float(function(predictions, references)[0])
+    return None if math.isnan(value) else value
 
 
 def count_rows(rows: list[int], shown: int = 5) -> str:

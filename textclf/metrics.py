@@ -1,0 +1,26 @@
+"""The evaluation loop: the task's scores over the whole eval set, every process evaluating its shard."""
+
+import torch
+
+from .task import Task
+
+
+def evaluate_model(model, loader, accelerator, task: Task) -> dict:
+    """The task's scores as eval_<key>, and eval_samples.
+
+    `gather_for_metrics` drops the samples that the last batch repeats to even out the shards, so
+    the count equals the eval set's size.
+    """
+    predictions_all, references_all = [], []
+    was_training = model.training
+    model.eval()
+    # no_grad, not inference_mode: ZeRO-3 gathers parameters during the forward pass.
+    with torch.no_grad():
+        for batch in loader:
+            predictions = task.predictions(model(**batch).logits)
+            predictions, references = accelerator.gather_for_metrics((predictions, task.targets(batch["labels"])))
+            predictions_all += predictions.tolist()
+            references_all += references.tolist()
+    model.train(was_training)
+    scores = task.compute_scores(predictions_all, references_all)
+    return {**{f"eval_{key}": value for key, value in scores.items()}, "eval_samples": len(references_all)}
