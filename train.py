@@ -14,10 +14,13 @@ if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
 
 from textclf.config import TrainConfig, parse_config
+from textclf.launch import check_launch_early, launch_shortfall
 
 if __name__ == "__main__":
-    # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s).
+    # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s);
+    # so do a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
+    run_command(lambda: check_launch_early(cfg))
 
 import dataclasses
 import math
@@ -35,7 +38,7 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, launch_shortfall, make_accelerator
+from textclf.runtime import describe, exit_finished_run, make_accelerator
 from textclf.task import Task
 
 
@@ -188,7 +191,7 @@ def main(cfg: TrainConfig) -> None:
             stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
                 values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
-                tracking.log(accelerator, cfg.output_dir, step, values)
+                accelerator.log(values, step=step)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
                 window = tracking.Window()
                 # All ranks agree here whether any was asked to stop: asking waits for the device, as
@@ -199,7 +202,7 @@ def main(cfg: TrainConfig) -> None:
             metrics = {}
             if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, steps_per_epoch):
                 metrics = evaluate_model(model, eval_loader, accelerator, task)
-                tracking.log(accelerator, cfg.output_dir, step, metrics)
+                accelerator.log(metrics, step=step)
                 if cfg.load_best_model_at_end:
                     best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
                                               checkpoint.checkpoint_folder(cfg.output_dir, step),

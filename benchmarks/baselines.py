@@ -32,7 +32,7 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.modeling import parameter_groups
 from textclf.task import Task
-from textclf.tracking import Window, append_log
+from textclf.tracking import JsonLinesTracker, Window
 
 BASELINES = {  # name: what runs
     "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
@@ -68,7 +68,7 @@ def plain_pytorch(cfg: TrainConfig) -> None:
 
     # --mixed_precision bf16: computations in bf16 over fp32 weights, as accelerate's autocast does for train.py.
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
-    step, window = 0, Window()
+    step, window, log = 0, Window(), JsonLinesTracker(cfg.output_dir)
     model.train()
     for epoch in range(math.ceil(total_steps / len(train_loader))):
         if cfg.group_by_length:
@@ -85,7 +85,7 @@ def plain_pytorch(cfg: TrainConfig) -> None:
             scheduler.step()
             step += 1
             window.add(loss, batch)
-            append_log(cfg.output_dir, step, window.summary())
+            log.log(window.summary(), step)
             window = Window()
             if step == total_steps:
                 break
@@ -99,8 +99,7 @@ def plain_pytorch(cfg: TrainConfig) -> None:
             predictions += task.predictions(model(**batch).logits).tolist()
             references += task.targets(batch["labels"]).tolist()
     scores = task.compute_scores(predictions, references)
-    append_log(cfg.output_dir, step, {**{f"eval_{key}": value for key, value in scores.items()},
-                                      "eval_samples": len(references)})
+    log.log({**{f"eval_{key}": value for key, value in scores.items()}, "eval_samples": len(references)}, step)
 
 
 def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
@@ -112,6 +111,7 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     train_set, eval_set, tokenizer, model = prepare(cfg)
     collate = DataCollatorWithPadding(tokenizer)  # what the Trainer picks by itself for a tokenizer
     pending = collections.deque()  # batches drawn but not yet trained on: accelerate's loader fetches one ahead
+    log = JsonLinesTracker(cfg.output_dir)
 
     def counting_collate(features):
         pending.append(collate(features))
@@ -134,8 +134,9 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
             self.window = Window()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.window.add(None, pending.popleft())  # counted as train.py counts; the loss stays inside the Trainer
-            append_log(cfg.output_dir, state.global_step, self.window.summary())
+            # Counted as train.py counts; the loss stays inside the Trainer, so the window's (a zero) is dropped.
+            self.window.add(torch.zeros(()), pending.popleft())
+            log.log({k: v for k, v in self.window.summary().items() if k != "loss"}, state.global_step)
             self.window = Window()
 
     trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=train_set,
@@ -143,8 +144,8 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    append_log(cfg.output_dir, trainer.state.global_step,
-               evaluate_model(trainer.model, eval_loader, trainer.accelerator, Task.from_config(cfg)))
+    log.log(evaluate_model(trainer.model, eval_loader, trainer.accelerator, Task.from_config(cfg)),
+            trainer.state.global_step)
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import yaml
 
-from textclf.runtime import zero_offload
+from textclf.launch import zero_offload
 
 from .baselines import BASELINES
 

@@ -117,28 +117,6 @@ def test_on_a_gpu_train_py_the_plain_loop_and_the_trainer_also_run_in_bf16_again
     assert limit_of(on_cpu["cpu_bf16"], {"flops_per_s": 150e9}) == 150e9  # no bf16 rate measured on a CPU
 
 
-def test_the_host_sync_benchmark_s_copy_of_train_py_waits_every_step_and_differs_by_that_line_alone(tmp_path):
-    from benchmarks.host_sync import waiting_copy
-
-    ours = (REPO / "train.py").read_text(encoding="utf-8").splitlines()
-    theirs = waiting_copy(tmp_path).read_text(encoding="utf-8").splitlines()
-    changed = [(a, b) for a, b in zip(ours, theirs) if a != b]
-    assert len(ours) == len(theirs) and len(changed) == 1, changed
-    assert changed[0][0].strip() == "stopping = False" and ".item()" in changed[0][1]
-    compile("\n".join(theirs), "train_waiting_every_step.py", "exec")
-
-
-@pytest.mark.slow
-def test_a_host_sync_run_times_both_scripts(tmp_path, reviews_csv):
-    from benchmarks.host_sync import main
-
-    assert main(["--models", "scratch-tiny", "--data", str(reviews_csv), "--steps", "8", "--log_every", "2",
-                 "--batch", "8", "--repeats", "1", "--output_dir", str(tmp_path)]) == 0
-    runs = json.loads((tmp_path / "host_sync.json").read_text())["runs"]
-    assert set(runs) == {"scratch-tiny|train.py", "scratch-tiny|waiting every step"}
-    assert all(run["ms_per_step"] > 0 and run["real_tokens_per_s"] > 0 for each in runs.values() for run in each)
-
-
 @pytest.mark.slow
 def test_the_plain_loop_autocasts_in_bf16_when_asked(tmp_path, reviews_csv, cache_dir):
     """The plain loop's bf16 row really computes in bf16: its losses leave fp32's, by bf16's rounding only."""

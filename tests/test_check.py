@@ -379,6 +379,20 @@ def test_yaml_mistakes_that_silently_start_something_else(capsys, tmp_path, chan
     assert str(variant) in line and message in line
 
 
+@pytest.mark.parametrize("text, message", [
+    ("distributed_type: [MULTI_GPU\n", "while parsing a flow sequence"),
+    ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "had unknown keys (['num_procesess'])"),
+    ("distributed_type: MULTI_PGU\n", "'MULTI_PGU' is not a valid DistributedType"),
+    ("- MULTI_GPU\n", "'list' object has no attribute 'get'"),
+])
+def test_an_unreadable_accelerate_config_is_one_line(capsys, tmp_path, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    status, _, err = run_check(capsys, "--config_file", str(tmp_path / "bad.yaml"), "--target", "cpu")
+    assert status == 2 and [line for line in err.splitlines() if line.startswith("error:")] == [
+        line for line in err.splitlines() if line.startswith(f"error: cannot read {tmp_path / 'bad.yaml'}: ")]
+    assert message in err and "Traceback" not in err
+
+
 def test_bf16_warns_on_a_cpu_without_native_bf16(capsys, monkeypatch, tmp_path):
     with_bf16, without_bf16 = tmp_path / "with", tmp_path / "without"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")

@@ -597,6 +597,19 @@ def hold_like_a_build(lock: Path) -> subprocess.Popen:
     return holder
 
 
+def test_the_build_folder_runtime_looks_in_is_where_torch_takes_its_lock(tmp_path, monkeypatch):
+    """runtime.load_deepspeed_ops finds the lock through torch's private _get_build_directory: the folder that
+    torch's load() (DeepSpeed's jit_load) builds in unless told another, with its lock file inside."""
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpp_extension._get_build_directory("cpu_adam", verbose=False) == str(tmp_path / "cpu_adam")
+    assert "build_directory or _get_build_directory(name, verbose)" in inspect.getsource(cpp_extension.load)
+    assert "FileBaton(os.path.join(build_directory, 'lock'))" in inspect.getsource(cpp_extension._jit_compile)
+
+
 def test_a_build_lock_held_by_a_live_build_is_left_one_that_died_is_removed_once_its_compilers_end(
         tmp_path, capsys):
     from textclf.runtime import release_stale_build_lock

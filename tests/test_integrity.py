@@ -146,15 +146,15 @@ def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path
 
 
 def test_a_failed_log_write_advises_resume_only_when_a_checkpoint_exists(tmp_path):
-    from textclf.tracking import LOG, append_log
+    from textclf.tracking import LOG, JsonLinesTracker
 
     (tmp_path / LOG).mkdir()  # the log cannot be appended to, as on a full disk
     with pytest.raises(InputError) as refused:
-        append_log(str(tmp_path), 1, {"loss": 0.5})
+        JsonLinesTracker(str(tmp_path)).log({"loss": 0.5}, step=1)
     assert one_line(refused).endswith("and start again: no checkpoint was completed yet")
     assert "--resume" not in str(refused.value)
     (tmp_path / "step_2").mkdir()
     (tmp_path / "step_2" / POSITION).write_text("{}")
     with pytest.raises(InputError, match=r"then continue with --resume latest \(the newest complete checkpoint, "
                                          r".*step_2, is untouched\)"):
-        append_log(str(tmp_path), 3, {"loss": 0.5})
+        JsonLinesTracker(str(tmp_path)).log({"loss": 0.5}, step=3)

@@ -284,3 +284,19 @@ def test_a_deepspeed_json_deepspeed_would_refuse_is_said_once_under_a_launch(tmp
     after = lines[lines.index(errors[0]) + 1:]
     assert not [line for line in after[:after.index("Traceback (most recent call last):")] if "[rank" in line]
     assert result.returncode != 0 and not (tmp_path / "out").exists()
+
+
+def test_an_error_closes_an_open_progress_bar_first(capsys):
+    """errors.report closes the bars tqdm lists in its private _instances, so the error starts a line of its own."""
+    import io
+
+    from tqdm import tqdm
+
+    from textclf.errors import report
+
+    bar = tqdm(total=10, file=io.StringIO())
+    bar.update(3)
+    assert bar in tqdm._instances
+    report(InputError("bad input"))
+    assert bar.disable and bar not in getattr(tqdm, "_instances", ())  # closed
+    assert capsys.readouterr().err == "error: bad input\n"

@@ -10,6 +10,7 @@ from conftest import TINY, assert_refused, run_train
 from textclf import runtime
 from textclf.config import parse_config
 from textclf.errors import InputError
+from textclf.launch import resolve_precision
 
 
 @pytest.fixture
@@ -35,13 +36,13 @@ def test_precision_is_the_flag_s_or_the_launch_s(monkeypatch, launched, asked, r
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
     else:
         monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    assert runtime.resolve_precision(asked) == runs
+    assert resolve_precision(asked) == runs
 
 
 def test_precision_contradicting_the_launch_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what `accelerate launch` sets from its yaml
     with pytest.raises(InputError, match="--mixed_precision bf16 contradicts the launch, which runs no"):
-        runtime.resolve_precision("bf16")
+        resolve_precision("bf16")
 
 
 def fake_wandb(logged_in: bool):
@@ -60,7 +61,6 @@ def fake_wandb(logged_in: bool):
 ])
 def test_a_tracker_that_cannot_start_is_refused(monkeypatch, report_to, modules, message):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setattr(runtime, "is_wandb_available", lambda: True)
     monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)

@@ -1,6 +1,7 @@
 """What users type and what their tools see: labels as people write them, trackers, the command line's
 answers. In-process where the behaviour allows it (the functions are called, their InputError caught)."""
 
+import json
 import re
 import warnings
 
@@ -161,7 +162,8 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
         out = tmp_path / str(project)
         cfg = TrainConfig(report_to=["tensorboard", "recorder"], run_name="first", project_name=project,
                           output_dir=str(out))
-        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir,
+                                                                       cfg.project_name, cfg.run_name),
                                   project_dir=cfg.output_dir)
         tracking.start_trackers(accelerator, cfg.to_dict())
         for step in (1, 2):
@@ -172,6 +174,27 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
     events = EventAccumulator(str(tmp_path / "None" / "tensorboard" / "first"))
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
+    # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call
+    logged = [json.loads(line) for line in (tmp_path / "None" / tracking.LOG).read_text().splitlines()]
+    assert [(row["step"], row["loss"]) for row in logged] == [(1, 1.0), (2, 0.5)]
+
+
+@pytest.mark.parametrize("project, variable, experiment", [
+    (None, None, "Default"), ("reviews", None, "reviews"), (None, "from-env", "from-env"),
+])
+def test_mlflow_s_experiment_is_never_none(monkeypatch, tmp_path, project, variable, experiment):
+    """mlflow is not installed here: the experiment is what accelerate's MLflowTracker will start under
+    (--project_name, or MLFLOW_EXPERIMENT_NAME, else mlflow's Default experiment as under the Trainer)."""
+    from accelerate.tracking import MLflowTracker
+
+    from textclf import tracking
+
+    if variable:
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", variable)
+    else:
+        monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    [mlflow] = [t for t in tracking.trackers(["mlflow"], str(tmp_path), project, "first") if t.name == "mlflow"]
+    assert isinstance(mlflow, MLflowTracker) and (mlflow.experiment_name, mlflow.run_name) == (experiment, "first")
 
 
 
@@ -229,7 +252,7 @@ def one_process_yaml(tmp_path):
 
 
 def test_a_launch_that_starts_fewer_processes_than_asked_is_said_by_the_checks_rule(tmp_path):
-    from textclf.runtime import launch_shortfall
+    from textclf.launch import launch_shortfall
 
     yaml = one_process_yaml(tmp_path)
     line = launch_shortfall(1, ["--config_file", yaml, "--num_processes", "2", "train.py", "--max_steps", "3"])
@@ -325,7 +348,89 @@ def test_help_and_command_line_errors_answer_before_torch_is_imported(command, s
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == status and said in result.stdout + result.stderr, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
-    assert not {"torch", "datasets", "accelerate"} & imported
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, "error: --mixed_precision bf16 contradicts the launch, which runs no"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "nowhere.json"},
+     "error: cannot read DeepSpeed config nowhere.json: No such file or directory"),
+])
+def test_a_launch_that_contradicts_itself_answers_before_torch_is_imported(env, said):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--mixed_precision", "bf16"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
+def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from textclf.checkpoint import sealed
+
+    checkpoint = tmp_path / "out" / "step_3"
+    checkpoint.mkdir(parents=True)
+    position = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "world_size": 1, "zero_stage": 3, "mixed_precision": "no"}
+    (checkpoint / "position.json").write_text(json.dumps(sealed(position)))
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(said) == 1, result.stderr[-2000:]
+    assert said[0].startswith(f"error: cannot resume from {checkpoint}: it was made by a launch with DeepSpeed ZeRO "
+                              "stage 3 (this launch: None)") and "accelerate_configs/zero3.yaml" in said[0]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
+@pytest.mark.parametrize("env, launch", [
+    ({}, {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}),
+    ({"WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "bf16"},
+     {"num_processes": 2, "zero_stage": None, "mixed_precision": "bf16"}),
+    ({"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no",
+      "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"},
+     {"num_processes": 2, "zero_stage": 3, "mixed_precision": "no"}),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"},
+     {"num_processes": 1, "zero_stage": 1, "mixed_precision": "no"}),
+])
+def test_the_launch_read_before_the_imports_is_the_one_the_accelerator_describes(monkeypatch, env, launch):
+    """What train.py checks a resume against before torch loads; the zoo's runs record the Accelerator's account
+    of the same launch in run.json (test_zoo), which this reading must agree with."""
+    from conftest import REPO
+    from textclf.launch import this_launch
+
+    for name in ("WORLD_SIZE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_DEEPSPEED",
+                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(REPO)
+    assert this_launch(None) == launch
+
+
+def test_checkpoint_positions_are_read_without_torch_and_name_accelerate_s_fsdp_folder():
+    import subprocess
+    import sys
+
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+
+    from conftest import REPO
+    from textclf.checkpoint import FSDP_SHARDED
+
+    assert FSDP_SHARDED == f"{FSDP_MODEL_NAME}_0"  # written out in checkpoint.py, which must not import accelerate
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import textclf.checkpoint, textclf.launch"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "accelerate"} & imported
 
 
 # --- quiet by default --------------------------------------------------------------------------------------

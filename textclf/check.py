@@ -62,6 +62,7 @@ import torch
 from .checkpoint import accumulation_for, check_launch, choose_checkpoint, read_verified_position
 from .data import sample_key
 from .job import load_data
+from .launch import fewer_processes, zero_offload
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
@@ -74,7 +75,7 @@ from .modeling import (
     scratch_size,
     scratch_tokenizer_folder,
 )
-from .runtime import COMPILE_REFUSED, check_deepspeed_config, fewer_processes, zero_offload
+from .runtime import COMPILE_REFUSED, check_deepspeed_config
 from .task import Task
 from .theory import (
     BYTES_PER_PARAM,
@@ -95,6 +96,7 @@ def read_launch(args: argparse.Namespace) -> dict:
     simple launcher starts one, whatever num_processes says), and its environment is what train.py's
     Accelerator and DeepSpeedPlugin read.
     """
+    import yaml
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
@@ -104,7 +106,7 @@ def read_launch(args: argparse.Namespace) -> dict:
             raise InputError(f"accelerate config not found: {path}")
         try:
             yaml_config = load_config_from_file(path)
-        except Exception as e:  # yaml syntax, unknown keys, an unknown distributed_type: all mean "unreadable"
+        except (yaml.YAMLError, ValueError, AttributeError) as e:  # syntax; an unknown key or value; not a mapping
             raise InputError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
         if not isinstance(getattr(yaml_config.distributed_type, "value", yaml_config.distributed_type), str):
             raise InputError(f"{path}: distributed_type is {yaml_config.distributed_type!r}; quote it "
@@ -116,7 +118,7 @@ def read_launch(args: argparse.Namespace) -> dict:
             if (value := getattr(args, name)) is not None] + (["--multi_gpu"] if args.multi_gpu else [])
     launch_args = launch_command_parser().parse_args([*line, "train.py"])
     with quiet_accelerate():
-        try:
+        try:  # accelerate's private merge of yaml and line, the one its launcher reads; test_check fails if it changes
             launch_args, _, precision_from_yaml = _validate_launch_command(launch_args)
         except ValueError as e:
             raise InputError(f"accelerate launch would refuse this launch: {str(e).splitlines()[0]}") from None

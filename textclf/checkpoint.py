@@ -15,29 +15,31 @@ deleted folder that looks like a checkpoint. What a killed run leaves (`.incompl
 `.deleting_*`) is removed when the next run claims the folder.
 """
 
+from __future__ import annotations
+
 import fcntl
 import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from accelerate import Accelerator
-from accelerate.utils import load
-from accelerate.utils.constants import FSDP_MODEL_NAME
+if TYPE_CHECKING:  # accelerate is imported where it is used: a resume is checked before torch loads (train.py)
+    from accelerate import Accelerator
 
 from .errors import PEER_ENDED, WRITE_ERRORS, InputError, checked_on_main_process, gist, peer_ended, write_failed
 
 POSITION = "position.json"
-# Where accelerate's save_state puts FSDP's sharded model state: a torch.distributed.checkpoint folder,
-# whose metadata file torch reads with full pickle.
-FSDP_SHARDED = f"{FSDP_MODEL_NAME}_0"
+# Where accelerate's save_state puts FSDP's sharded model state (f"{FSDP_MODEL_NAME}_0"; test_users checks it):
+# a torch.distributed.checkpoint folder, whose metadata file torch reads with full pickle.
+FSDP_SHARDED = "pytorch_model_fsdp_0"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 INCOMPLETE = ".incomplete_"  # + step_<N>: a checkpoint being written
 DELETING = ".deleting_"  # + step_<N>: a checkpoint being deleted
@@ -461,8 +463,10 @@ def verify_files(checkpoint: str, position: dict) -> None:
         name = f"random_states_{rank}.pkl"
         if name in files and not any(problem.startswith(name) for problem in problems):
             try:
+                from accelerate.utils import load
+
                 states = load(os.path.join(checkpoint, name))  # as Accelerate reads it: weights_only
-            except Exception as e:  # unpickling raises anything; all of it means "not an RNG state"
+            except (pickle.UnpicklingError, EOFError, RuntimeError) as e:  # torch.load's words for "not a state"
                 states = e
             rng_keys = {"random_state", "numpy_random_seed", "torch_manual_seed"}
             if not (isinstance(states, dict) and rng_keys <= states.keys()):
@@ -696,7 +700,7 @@ def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir:
                 for group in optimizer.param_groups]
     try:
         accelerator.load_state(load_from)
-    except Exception as e:  # a truncated file, a foreign pickle, a shape mismatch: all mean "bad checkpoint"
+    except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
         raise InputError(f"cannot load checkpoint {checkpoint}: {str(e).splitlines()[0]}") from None
     if universal:
         # It also gives every ZeRO-3 partition one shared `step` tensor, which fused AdamW then increments in place

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import yaml
-from transformers import HfArgumentParser
 
 from .errors import InputError
 from .task import KINDS, Task
@@ -432,46 +431,58 @@ def unknown_keys(keys: list[str], where: str = "") -> str:
     return f"unknown config key(s) {', '.join(keys)}{where}{hint}; see `python train.py --help`"
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """One name per option (HfArgumentParser accepts --dashed-names too) with its type, and no '(default: None)'."""
-
-    def _format_action_invocation(self, action):
-        if action.nargs == 0:  # -h/--help, or the --no_<flag> of a flag that defaults to true
-            return action.option_strings[0] if action.option_strings[0].startswith("--no_") else \
-                ", ".join(action.option_strings)
-        metavar = {int: "INT", float: "FLOAT"}.get(action.type, "BOOL" if action.const is True else "TEXT")
-        return f"{action.option_strings[0]} {self._format_args(action, metavar)}"
-
-    def _get_help_string(self, action):
-        if action.option_strings[0].startswith("--no_"):
-            return f"The same as --{action.dest} false."
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-class _Parser(HfArgumentParser):
+class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise InputError(message)
 
-    def _add_dataclass_arguments(self, dtype):
-        """HfArgumentParser's own, with the fields in HELP_SECTIONS' groups."""
-        hints = typing.get_type_hints(dtype)
-        group = self
-        for f in dataclasses.fields(dtype):
-            if f.name in HELP_SECTIONS:
-                group = self.add_argument_group(HELP_SECTIONS[f.name])
-            f.type = hints[f.name]
-            self._parse_dataclass_field(group, f)
+
+def to_bool(text: str) -> bool:
+    """A flag's value, as TrainingArguments reads it (`--lora true`, `--lora no`)."""
+    if text.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if text.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def add_field(group, f: dataclasses.Field, hint) -> None:
+    """One option for one field, typed as the field is: what transformers' HfArgumentParser does, written out
+    so that --help and a mistyped flag answer without importing transformers (about 1 s)."""
+    if typing.get_origin(hint) is typing.Union:  # Optional[X]
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
+    options = {"default": default, "help": help_text.replace("%", "%%")}
+    if typing.get_origin(hint) is Literal:
+        options.update(choices=typing.get_args(hint), type=str)
+    elif typing.get_origin(hint) is list:
+        options.update(nargs="+", type=typing.get_args(hint)[0], metavar="TEXT")
+    elif hint is bool:  # `--lora` alone, or `--lora true/false`; a flag that defaults to true gets --no_<flag> too
+        options.update(nargs="?", const=True, type=to_bool, metavar="BOOL")
+    else:
+        options.update(type=hint, metavar={int: "INT", float: "FLOAT"}.get(hint, "TEXT"))
+    group.add_argument(f"--{f.name}", **options)
+    if hint is bool and default is True:
+        group.add_argument(f"--no_{f.name}", action="store_false", dest=f.name,
+                           help=f"The same as --{f.name} false.")
 
 
 def make_parser() -> _Parser:
     # No abbreviations: a mistyped key must fail, not silently set another one.
-    parser = _Parser(TrainConfig, prog="python train.py", allow_abbrev=False, formatter_class=_Help,
+    parser = _Parser(prog="python train.py", allow_abbrev=False,
                      usage="python train.py [--config RECIPE.yaml] [--resume CHECKPOINT] [--key value ...]",
                      description="Fine-tune a text classifier with Accelerate. Every option is a field of "
                                  "TrainConfig (textclf/config.py); names follow transformers.TrainingArguments.")
     # Read by parse_config before this parser runs; declared here for --help.
     parser.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS,
                         help="Read values from a YAML recipe (key: value); flags on the command line win over it.")
+    hints = typing.get_type_hints(TrainConfig)
+    group = parser
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in HELP_SECTIONS:
+            group = parser.add_argument_group(HELP_SECTIONS[f.name])
+        add_field(group, f, hints[f.name])
     return parser
 
 
@@ -509,7 +520,7 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--resume")
-    pre.add_argument("--output_dir", "--output-dir", default=TrainConfig.output_dir)
+    pre.add_argument("--output_dir", default=TrainConfig.output_dir)
     known, _ = pre.parse_known_args(args)
     if not known.resume:
         return None
@@ -569,7 +580,8 @@ def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
     if resumed:
         parser.set_defaults(**resumed[1])
     try:
-        cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+        namespace, unknown = parser.parse_known_args(args)
+        cfg = TrainConfig(**vars(namespace))
     except InputError as e:
         raise InputError(blame_recipe(str(e), recipe.config, from_recipe, rest)) from None
     if unknown:

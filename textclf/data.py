@@ -90,19 +90,22 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
         delimiter = delimiter or DELIMITERS.get(suffix)
         try:
             table = read_file(path, builder, delimiter, encoding)
-        except Exception as error:  # the builders raise many types; diagnose the file itself
+        except PARSER_ERRORS as error:  # diagnose the file itself
             readable = encoding_to_use(path, encoding)
             if readable == (encoding or "utf-8"):
                 raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
             try:
                 table = read_file(path, builder, delimiter, readable)
-            except Exception as error:
+            except PARSER_ERRORS as error:
                 raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
     if len(table) == 0:
         raise InputError(f"data set {path} is empty: no rows")
     return table
 
 
+# What reading a file that is not what its name says raises: the parsers' refusals (pandas', pyarrow's and json's are
+# ValueErrors), and StopIteration from the json builder on an empty file. Anything else is a bug: its traceback stays.
+PARSER_ERRORS = (ValueError, StopIteration)
 FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, "
            "or a folder saved by `datasets`")
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".tab": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -134,6 +137,8 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         table = datasets.load_dataset(builder, data_files=path, split="train", **options)
+    except datasets.exceptions.DatasetGenerationError as e:  # it wraps the parser's error: that one is judged
+        raise e.__cause__ if isinstance(e.__cause__, PARSER_ERRORS) else e
     finally:
         datasets.logging.set_verbosity(verbosity)
     # pyarrow's JSON reader keeps bytes that are not UTF-8 in its strings; a full check finds them (ms).
@@ -213,7 +218,7 @@ def encoding_to_use(path: str, encoding: Optional[str]) -> str:
 def parse_failure(path: str, builder: str, delimiter: Optional[str], encoding: str, error: Exception) -> str:
     """One line: why a file that decodes could not be parsed, where, and what to do."""
     causes = []
-    while error is not None:
+    while error is not None and error not in causes:  # read_file re-raises a cause: its context is the wrapper
         causes.append(error)
         error = error.__cause__ or error.__context__
     reasons = [str(e).strip().splitlines()[0] for e in causes if str(e).strip()]

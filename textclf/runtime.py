@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import importlib
 import io
 import json
 import logging
@@ -12,17 +13,17 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Optional
 
 import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-from accelerate.utils import DynamoBackend, LoggerType, is_wandb_available
+from accelerate.utils import DynamoBackend, LoggerType
 
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, verbose
+from .launch import read_deepspeed_file, resolve_precision, zero_offload
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower
 # (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
@@ -61,7 +62,7 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # The schedule is defined in optimizer steps and stepped once per optimizer step (train.py).
             step_scheduler_with_optimizer=False,
-            log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.run_name),
+            log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.project_name, cfg.run_name),
             project_dir=cfg.output_dir,
             # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
             # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
@@ -84,19 +85,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     return accelerator
 
 
-def read_deepspeed_file(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as e:
-        raise InputError(f"cannot read DeepSpeed config {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise InputError(f"DeepSpeed config {path} is not a JSON object")
-    return config
-
-
 def check_deepspeed_config(config: dict, place: str) -> None:
     """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
     not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
@@ -107,8 +95,9 @@ def check_deepspeed_config(config: dict, place: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
-    # DeepSpeedConfig's __init__ parses the sections (_initialize_params), then does batch-size arithmetic that
-    # needs the process group and the values accelerate has not filled in yet: only the first part runs here.
+    # DeepSpeedConfig's __init__ parses the sections (its private _initialize_params), then does batch-size
+    # arithmetic that needs the process group and the values accelerate has not filled in yet: only the first
+    # part runs here (test_oneline's DeepSpeed JSON tests fail if it changes).
     parsed = object.__new__(DeepSpeedConfig)
     try:
         parsed._initialize_params(copy.deepcopy(config))
@@ -121,103 +110,35 @@ def check_deepspeed_config(config: dict, place: str) -> None:
         raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
-def resolve_precision(asked):
-    """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
-
-    `accelerate launch` always sets ACCELERATE_MIXED_PRECISION (from its --mixed_precision or the yaml),
-    and the Accelerator would let the script's value win without a word.
-    """
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if asked and launched and asked != launched:
-        raise InputError(f"--mixed_precision {asked} contradicts the launch, which runs {launched} (accelerate "
-                         "launch's --mixed_precision or the yaml's mixed_precision): set it on the launch line, "
-                         "or drop --mixed_precision")
-    return asked or launched or "no"
-
-
 def check_trackers(report_to: list[str]) -> None:
     """Stop now, before anything is written, if a tracker asked for is unknown or cannot start.
 
-    Accelerate drops a tracker whose package is missing without a word (a debug log), and wandb
-    without a login fails only in `init_trackers`, after run.json is written.
+    Accelerate drops a tracker whose package is missing without a word (a debug log), its is_*_available
+    find a package without importing it, and wandb without a login fails only in `init_trackers`, after
+    run.json is written.
     """
     asked = " ".join(report_to)
-    for name in report_to:
-        if name in ("none", "all"):
+    available = [str(name) for name in get_available_trackers()]  # accelerate's is_<tracker>_available
+    for name in available if report_to == ["all"] else report_to:
+        if name == "none":
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
             raise InputError(f"--report_to {asked}: unknown tracker '{name}'; accelerate knows "
                              f"{', '.join(LOGGER_TYPE_TO_CLASS)} (or pass all or none)")
-        if name in map(str, LoggerType) and name not in map(str, get_available_trackers()):
+        if name not in map(str, LoggerType):
+            continue  # one registered by the user's code, which imports it
+        if name not in available:
             raise InputError(f"--report_to {asked}, but {name} is not installed; pip install {name}, or leave it "
                              "out of --report_to")
-    if "tensorboard" in report_to:
-        try:
-            import torch.utils.tensorboard  # noqa: F401  (what accelerate's TensorBoardTracker imports)
+        try:  # what accelerate's tracker imports when it starts
+            package = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
         except ImportError as e:
-            raise InputError(f"--report_to {asked}, but tensorboard cannot be imported ({e}); "
-                             "pip install tensorboard, or pass --report_to none") from None
-    if "wandb" in report_to or ("all" in report_to and is_wandb_available()):
-        try:
-            import wandb
-        except ImportError as e:
-            raise InputError(f"--report_to {asked}, but wandb cannot be imported ({e}); "
-                             "pip install wandb, or pass --report_to tensorboard or none") from None
+            raise InputError(f"--report_to {asked}, but {name} cannot be imported ({e}); pip install {name}, or "
+                             "leave it out of --report_to") from None
         offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
-        if not offline and not wandb.login(verify=False, prompt=False):
+        if name == "wandb" and not offline and not package.login(verify=False, prompt=False):
             raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
-                             "`wandb login`); log in, set WANDB_MODE=offline, or pass --report_to tensorboard or none")
-
-
-def fewer_processes(started: int, requested: int, distributed_type: str, path: Optional[str]) -> Optional[str]:
-    """The line that says a launch starts fewer processes than asked for (train.py warns, the check refuses), or
-    None. accelerate's simple launcher, which NO and MULTI_CPU (without mpirun) yamls get, starts one."""
-    if started >= requested:
-        return None
-    return (f"{path or 'the launch'}: distributed_type {distributed_type} starts a single process"
-            f"{' without mpirun' if distributed_type == 'MULTI_CPU' else ''}, not the {requested} asked for; for "
-            "several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU (train.py uses gloo there), or "
-            "--multi_gpu on the launch line")
-
-
-def launch_shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional[str]:
-    """fewer_processes for the `accelerate launch` that started this run: its line (by default the parent
-    process's) read as accelerate reads it, with the yaml or the default config that `accelerate config` wrote.
-    None when it asked for no more than started, or when no `accelerate launch` started this run."""
-    if launch_line is None:
-        if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # set by every `accelerate launch`
-            return None
-        command = psutil.Process().parent().cmdline()
-        ends = [i for i, arg in enumerate(command) if arg == "launch" or arg.endswith("accelerate.commands.launch")]
-        if not ends:
-            return None
-        launch_line = command[ends[0] + 1:]
-    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
-    try:
-        args = launch_command_parser().parse_args(launch_line)
-        logger = logging.getLogger("accelerate.commands.launch")
-        level = logger.level
-        logger.setLevel(logging.ERROR)  # its warnings about defaults were printed by the launch itself
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                # accelerate's private merge of the yaml and the launch line: what its launcher itself reads
-                args = _validate_launch_command(args)[0]
-        finally:
-            logger.setLevel(level)
-        path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-        kind = load_config_from_file(path).distributed_type if path else "NO"
-    except (SystemExit, Exception):  # a line this accelerate reads otherwise: nothing to say about it
-        return None
-    return fewer_processes(started, args.num_processes or 1, str(getattr(kind, "value", kind)), path)
-
-
-def zero_offload(zero_optimization: dict) -> dict[str, str]:
-    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
-    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
-    return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
+                             "`wandb login`); log in, set WANDB_MODE=offline, or leave it out of --report_to")
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
@@ -299,7 +220,10 @@ def load_deepspeed_ops(names: list[str]) -> dict[str, float]:
     """
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
-    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds: the lock's folder
+
+    # Where torch's load() builds, and so holds its lock: private, with no public counterpart (test_faults
+    # fails if it changes).
+    from torch.utils.cpp_extension import _get_build_directory
 
     local_main = int(os.environ.get("LOCAL_RANK", "0")) == 0
     seconds = {}

@@ -9,7 +9,7 @@ BYTES_PER_PARAM = {"16-bit": (2, 2, 12), "fp32": (4, 4, 8), "16-bit weights": (2
 # The ZeRO stage from which each part is sharded over the ranks (FSDP's full shard counts as stage 3).
 SHARDED_FROM_STAGE = {"weights": 3, "gradients": 2, "optimizer states": 1}
 # The parts DeepSpeed can offload, by the name of the setting that does it (offload_optimizer,
-# offload_param; textclf.runtime.zero_offload reads them).
+# offload_param; textclf.launch.zero_offload reads them).
 OFFLOADED_BY = {"optimizer states": "optimizer", "weights": "param"}
 
 

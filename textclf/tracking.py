@@ -1,4 +1,4 @@
-"""Where a run reports: log.jsonl (the output contract), the trackers, and the console."""
+"""Where a run reports, all through `accelerator.log`: log.jsonl (the output contract) and the trackers."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.tracking import TensorBoardTracker, get_available_trackers
+from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker, get_available_trackers
 from accelerate.utils import gather_object
 
 from .checkpoint import continue_advice
@@ -16,26 +16,57 @@ from .errors import InputError, write_failed
 
 LOG = "log.jsonl"
 # Where each tracker takes a run's name (--run_name), among the keyword arguments accelerate passes it.
-RUN_NAME_KEYS = {"wandb": "name", "mlflow": "run_name", "trackio": "name", "swanlab": "experiment_name",
-                 "clearml": "task_name"}
+RUN_NAME_KEYS = {"wandb": "name", "trackio": "name", "swanlab": "experiment_name", "clearml": "task_name"}
 
 
-def trackers(report_to: list[str], output_dir: str, run_name: Optional[str] = None) -> list:
-    """`log_with` for the Accelerator: the trackers named (every one installed for 'all', none for 'none').
+class JsonLinesTracker(GeneralTracker):
+    """log.jsonl as one of accelerate's trackers: one line per `accelerator.log` call (main process only), with
+    the step, its wall-clock `time` (Unix seconds; the benchmark times steps from it) and the values."""
 
-    Accelerate gives every tracker the same project name; TensorBoard would make it a folder, so it gets
-    its own, <output_dir>/tensorboard[/<run_name>], and the others their own convention (WANDB_PROJECT, ...).
+    name, requires_logging_directory, main_process_only = "log.jsonl", True, True
+
+    def __init__(self, output_dir: str):
+        super().__init__()
+        self.output_dir = output_dir
+
+    @property
+    def tracker(self) -> str:
+        return os.path.join(self.output_dir, LOG)
+
+    def store_init_configuration(self, values: dict) -> None:
+        pass  # run.json holds the config
+
+    def log(self, values: dict, step: Optional[int] = None, **kwargs) -> None:
+        try:
+            with open(self.tracker, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        except OSError as e:
+            raise write_failed("append to", self.tracker, e, continue_advice(self.output_dir)) from None
+
+
+def trackers(report_to: list[str], output_dir: str, project_name: Optional[str] = None,
+             run_name: Optional[str] = None) -> list:
+    """`log_with` for the Accelerator: log.jsonl, and the trackers named (every one installed for 'all').
+
+    The project is --project_name or, unset, each tracker's own convention (WANDB_PROJECT, ...). TensorBoard
+    would make it a folder, so it gets <output_dir>/tensorboard[/<run_name>]; MLflow, whose experiment
+    accelerate would call "None", gets mlflow's Default experiment, as under the Trainer.
     """
     names = [str(name) for name in get_available_trackers()] if report_to == ["all"] else report_to
-    folder = os.path.join("tensorboard", run_name) if run_name else "tensorboard"
-    chosen = [TensorBoardTracker(folder, output_dir) if name == "tensorboard" else name
-              for name in names if name != "none"]
-    return chosen or None  # accelerate warns about an empty list
+    chosen = [JsonLinesTracker(output_dir)]
+    for name in names:
+        if name == "tensorboard":
+            chosen.append(TensorBoardTracker(os.path.join("tensorboard", run_name) if run_name else "tensorboard",
+                                             output_dir))
+        elif name == "mlflow":  # MLFLOW_EXPERIMENT_NAME still wins, as accelerate reads it
+            chosen.append(MLflowTracker(project_name or "Default", run_name=run_name))
+        elif name != "none":
+            chosen.append(name)
+    return chosen
 
 
 def start_trackers(accelerator: Accelerator, config: dict) -> None:
-    """Start the trackers with the run's config: the project is --project_name or, unset, each tracker's own
-    convention; the run's name is --run_name."""
+    """Start the trackers with the run's config, its project (--project_name) and its name (--run_name)."""
     run_name = config.get("run_name")
     init_kwargs = {name: {key: run_name} for name, key in RUN_NAME_KEYS.items()} if run_name else {}
     accelerator.init_trackers(config.get("project_name"), config=flat_config(config), init_kwargs=init_kwargs)
@@ -79,26 +110,6 @@ def keep_log_until(output_dir: str, step: int) -> None:
         raise write_failed("rewrite", path, e, "free space or make it writable, then resume again") from None
 
 
-def append_log(output_dir: str, step: int, values: dict) -> None:
-    """One line of log.jsonl: the step, its wall-clock `time` (Unix seconds), the values.
-
-    The benchmark times steps from `time`, evaluation and checkpoints included or left out as it chooses.
-    """
-    path = os.path.join(output_dir, LOG)
-    try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
-    except OSError as e:
-        raise write_failed("append to", path, e, continue_advice(output_dir)) from None
-
-
-def log(accelerator: Accelerator, output_dir: str, step: int, values: dict) -> None:
-    """One line in log.jsonl, one point per value in the trackers (main process only)."""
-    accelerator.log(values, step=step)
-    if accelerator.is_main_process:
-        append_log(output_dir, step, values)
-
-
 class Window:
     """Loss and throughput over the micro-batches since the last log line.
 
@@ -120,11 +131,10 @@ class Window:
         return {"loss_sum": float(self.loss_sum), "losses": self.losses, "samples": self.samples,
                 "real_tokens": int(self.real_tokens), "padded_tokens": self.padded_tokens}
 
-    def add(self, loss: Optional[torch.Tensor], batch: dict) -> None:
-        """Count one micro-batch; `loss` None where the caller does not see it (the Trainer baseline)."""
-        if loss is not None:
-            self.loss_sum += loss.detach().float()
-            self.losses += 1
+    def add(self, loss: torch.Tensor, batch: dict) -> None:
+        """Count one micro-batch and its loss."""
+        self.loss_sum += loss.detach().float()
+        self.losses += 1
         mask = batch["attention_mask"]
         self.samples += mask.shape[0]
         self.real_tokens += mask.sum()

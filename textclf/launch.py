@@ -1,0 +1,123 @@
+"""What the launch asks for, read from what `accelerate launch` or torchrun set (the environment, the
+accelerate config) before torch, accelerate or the data are loaded: a launch that cannot run is refused
+at once. runtime.py builds the Accelerator for it; the check (textclf/check.py) reads the same rules."""
+
+import json
+import logging
+import os
+import warnings
+from typing import Optional
+
+import psutil
+
+from .errors import InputError
+
+
+def this_launch(mixed_precision: Optional[str]) -> dict:
+    """The launch this process belongs to, as the Accelerator will see it (runtime.describe records that):
+    processes, DeepSpeed's ZeRO stage (its JSON's, or the launch's), and the precision."""
+    precision, stage = resolve_precision(mixed_precision), None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        ds_config = read_deepspeed_file(ds_file) if ds_file != "none" else {}
+        stage = ds_config.get("zero_optimization", {}).get("stage", "auto")
+        if stage == "auto":  # as accelerate's DeepSpeedPlugin fills it in
+            stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        # A JSON that switches a 16-bit type on itself decides the precision (accelerate's mixed_precision).
+        precision = next((kind for kind in ("fp16", "bf16") if ds_config.get(kind, {}).get("enabled") is True),
+                         precision)
+    return {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "zero_stage": stage,
+            "mixed_precision": precision}
+
+
+def check_launch_early(cfg) -> None:
+    """Before the heavy imports and any data: refuse a launch that contradicts itself (a --mixed_precision other
+    than the launch's, an unreadable DeepSpeed JSON), and a resume that it cannot continue, giving the launch that
+    can (train.py checks the resume again once the Accelerator exists)."""
+    from .checkpoint import check_launch, find_resume_checkpoint, read_verified_position
+
+    launch = this_launch(cfg.mixed_precision)
+    checkpoint = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
+    if checkpoint:
+        check_launch(checkpoint, read_verified_position(checkpoint), launch)
+
+
+def read_deepspeed_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read DeepSpeed config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"DeepSpeed config {path} is not a JSON object")
+    return config
+
+
+def resolve_precision(asked):
+    """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
+
+    `accelerate launch` always sets ACCELERATE_MIXED_PRECISION (from its --mixed_precision or the yaml),
+    and the Accelerator would let the script's value win without a word.
+    """
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if asked and launched and asked != launched:
+        raise InputError(f"--mixed_precision {asked} contradicts the launch, which runs {launched} (accelerate "
+                         "launch's --mixed_precision or the yaml's mixed_precision): set it on the launch line, "
+                         "or drop --mixed_precision")
+    return asked or launched or "no"
+
+
+def fewer_processes(started: int, requested: int, distributed_type: str, path: Optional[str]) -> Optional[str]:
+    """The line that says a launch starts fewer processes than asked for (train.py warns, the check refuses), or
+    None. accelerate's simple launcher, which NO and MULTI_CPU (without mpirun) yamls get, starts one."""
+    if started >= requested:
+        return None
+    return (f"{path or 'the launch'}: distributed_type {distributed_type} starts a single process"
+            f"{' without mpirun' if distributed_type == 'MULTI_CPU' else ''}, not the {requested} asked for; for "
+            "several use MULTI_GPU, as accelerate_configs/cpu.yaml does on a CPU (train.py uses gloo there), or "
+            "--multi_gpu on the launch line")
+
+
+def launch_shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional[str]:
+    """fewer_processes for the `accelerate launch` that started this run: its line (by default the parent
+    process's) read as accelerate reads it, with the yaml or the default config that `accelerate config` wrote.
+    None when it asked for no more than started, or when no `accelerate launch` started this run."""
+    if launch_line is None:
+        if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # set by every `accelerate launch`
+            return None
+        command = psutil.Process().parent().cmdline()
+        ends = [i for i, arg in enumerate(command) if arg == "launch" or arg.endswith("accelerate.commands.launch")]
+        if not ends:
+            return None
+        launch_line = command[ends[0] + 1:]
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    try:
+        args = launch_command_parser().parse_args(launch_line)
+        logger = logging.getLogger("accelerate.commands.launch")
+        level = logger.level
+        logger.setLevel(logging.ERROR)  # its warnings about defaults were printed by the launch itself
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # accelerate's private merge of the yaml and the launch line, what its launcher itself reads (no
+                # public one); tests/test_users.py's shortfall test fails if it changes
+                args = _validate_launch_command(args)[0]
+        finally:
+            logger.setLevel(level)
+        path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+        kind = load_config_from_file(path).distributed_type if path else "NO"
+    except (SystemExit, ValueError):  # a line this accelerate reads otherwise: nothing to say about it
+        return None
+    return fewer_processes(started, args.num_processes or 1, str(getattr(kind, "value", kind)), path)
+
+
+def zero_offload(zero_optimization: dict) -> dict[str, str]:
+    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
+    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
+    return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}
+
+
