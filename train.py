@@ -8,7 +8,7 @@
 Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model).
 """
 
-from textclf.errors import InputError, die_with_launcher, run_command
+from textclf.errors import die_with_launcher, run_command
 
 if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
@@ -22,9 +22,9 @@ if __name__ == "__main__":
     cfg = run_command(parse_config)
     run_command(lambda: check_launch_early(cfg))
 
+import dataclasses
 import math
 import os
-import pickle
 import signal
 
 import torch
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, tracking
-from textclf.data import make_loaders
+from textclf.data import make_loaders, seed_micro_batch
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
@@ -43,6 +43,13 @@ from textclf.task import Task
 
 
 def main(cfg: TrainConfig) -> None:
+    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
+    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    if resume_from:  # on another number of processes, the accumulation that keeps the checkpoint's global batch
+        position = checkpoint.read_verified_position(resume_from)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=checkpoint.accumulation_for(
+            resume_from, position, world_size))
     accelerator = make_accelerator(cfg)
     run = describe(accelerator, cfg)
     accelerator.print(f"config: {cfg.to_dict()}")
@@ -52,11 +59,10 @@ def main(cfg: TrainConfig) -> None:
     if accelerator.is_main_process and (shortfall := launch_shortfall(accelerator.num_processes)):
         print(f"warning: {shortfall}")  # the launch asked for more processes than it started: said, not refused
     set_seed(cfg.seed)
-    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
-    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from:  # a launch that cannot resume it is told so before the data is read, with the one that can
-        position = checkpoint.read_verified_position(resume_from)
-        checkpoint.check_launch(resume_from, position, run)
+        if rescaled := checkpoint.check_launch(resume_from, position, run):
+            accelerator.print(rescaled)
+        position = checkpoint.on_this_launch(position, accelerator.num_processes, cfg.gradient_accumulation_steps)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
@@ -77,11 +83,12 @@ def main(cfg: TrainConfig) -> None:
     train_loader, eval_loader = make_loaders(
         train_set, eval_set, tokenizer, train_batch_size=cfg.per_device_train_batch_size,
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
-        group_by_length=cfg.group_by_length, seed=cfg.seed, num_workers=cfg.dataloader_num_workers,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, group_by_length=cfg.group_by_length,
+        seed=cfg.seed, num_workers=cfg.dataloader_num_workers,
         # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
         pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None,
         pin_memory=accelerator.device.type == "cuda")  # copied to the GPU without waiting for it (runtime.py)
-    batches_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes)  # per process, once sharded
+    batches_per_epoch = len(train_loader) // accelerator.num_processes  # per process, once sharded (whole steps)
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
     if resume_from:  # before any step runs: the position fits this schedule, every file is the one saved
@@ -97,13 +104,15 @@ def main(cfg: TrainConfig) -> None:
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(total_steps), total_steps)
+    # ZeRO's states, partitioned over another number of processes, load from DeepSpeed's universal checkpoint.
+    universal = resume_from and checkpoint.needs_universal(resume_from, position, accelerator.num_processes,
+                                                           cfg.load_best_model_at_end)
+    if universal:
+        accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
     if resume_from:
-        try:
-            accelerator.load_state(resume_from)
-        except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
-            raise InputError(f"cannot load checkpoint {resume_from}: {str(e).splitlines()[0]}") from None
+        checkpoint.load_state(accelerator, optimizer, resume_from, cfg.output_dir, universal)
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
 
     # From here on the run writes to output_dir, which it holds until it ends: one run at a time.
@@ -163,6 +172,9 @@ def main(cfg: TrainConfig) -> None:
         train_loader.set_epoch(epoch)  # the same shuffle for this epoch as an uninterrupted run
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         for batch_in_epoch, batch in enumerate(batches, start=skip + 1):
+            # Dropout from the micro-batch's place in the run, not from the rank that runs it.
+            micro_batch = (batch_in_epoch - 1) % cfg.gradient_accumulation_steps * accelerator.num_processes
+            seed_micro_batch(cfg.seed, step, micro_batch + accelerator.process_index, accelerator.device)
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)

@@ -1,5 +1,5 @@
-"""Length-grouped training batches: a pure function of (seed, epoch), one whole length group per
-optimizer step across processes, and little padding on real review data."""
+"""Training batches: a pure function of (seed, epoch, global batch), one whole global batch (a length group)
+per optimizer step however many processes share it, and little padding on real review data."""
 
 import random
 
@@ -9,24 +9,32 @@ from torch.utils.data import BatchSampler
 
 from benchmarks.measure import epoch_padding
 from textclf.config import TrainConfig
-from textclf.data import EpochLengthGroupedSampler
+from textclf.data import EpochLengthGroupedSampler, micro_batch_seed
 
 # A long tail, as in real reviews: most texts short, a few up to max_length.
 LENGTHS = [min(128, int(random.Random(i).paretovariate(1.2) * 8)) for i in range(1000)]
 
 
-def order(seed: int, epoch: int, batch_size: int = 32) -> list[int]:
-    sampler = EpochLengthGroupedSampler(LENGTHS, batch_size, seed)
+def order(seed: int, epoch: int, batch_size: int = 32, group_by_length: bool = True) -> list[int]:
+    sampler = EpochLengthGroupedSampler(LENGTHS, batch_size, seed, group_by_length)
     sampler.set_epoch(epoch)
     return list(sampler)
 
 
-def test_order_is_a_permutation_fixed_by_seed_and_epoch_alone():
-    first = order(seed=42, epoch=0)
-    assert sorted(first) == list(range(len(LENGTHS)))
-    assert order(seed=42, epoch=0) == first  # a fresh sampler (a resumed run) draws the same epoch
-    assert order(seed=42, epoch=1) != first and sorted(order(seed=42, epoch=1)) == sorted(first)
-    assert order(seed=43, epoch=0) != first
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_order_is_whole_global_batches_fixed_by_seed_and_epoch_alone(group_by_length):
+    first = order(seed=42, epoch=0, group_by_length=group_by_length)
+    # 1000 examples fill 31 global batches of 32: 8 sit out the epoch, a different 8 each epoch.
+    assert len(first) == len(set(first)) == 31 * 32 and set(first) <= set(range(len(LENGTHS)))
+    assert order(seed=42, epoch=0, group_by_length=group_by_length) == first  # a resumed run draws the same
+    second = order(seed=42, epoch=1, group_by_length=group_by_length)
+    assert second != first and len(set(second)) == 31 * 32 and set(second) != set(first)
+    assert order(seed=43, epoch=0, group_by_length=group_by_length) != first
+
+
+def test_data_smaller_than_one_global_batch_is_one_step_of_it_repeated():
+    sampler = EpochLengthGroupedSampler(LENGTHS[:20], 32, seed=42)
+    assert len(list(sampler)) == 32 and set(sampler) == set(range(20))
 
 
 def test_first_batch_holds_the_longest_example():
@@ -42,16 +50,37 @@ def test_two_processes_split_one_length_group_per_step():
     # What `accelerator.prepare` does to the DataLoader's batches with 2 processes.
     batches = BatchSampler(sampler, per_process, drop_last=False)
     shards = [list(BatchSamplerShard(batches, num_processes=2, process_index=rank)) for rank in (0, 1)]
-    full_groups = len(LENGTHS) // (2 * per_process)
+    assert len(shards[0]) == len(shards[1]) == len(groups)  # whole groups: no rank is padded
     for step, (rank0, rank1) in enumerate(zip(*shards)):
-        if step < full_groups:
-            assert sorted(rank0 + rank1) == sorted(groups[step]), step
-            assert not set(rank0) & set(rank1)
+        assert sorted(rank0 + rank1) == sorted(groups[step]), step
+        assert not set(rank0) & set(rank1)
     # Padded lengths: similar lengths share a batch on every rank (LENGTHS in file order are random).
     grouped = sum(max(LENGTHS[i] for i in batch) for shard in shards for batch in shard)
     in_file_order = BatchSampler(range(len(LENGTHS)), per_process, drop_last=False)
     random_batches = sum(max(LENGTHS[i] for i in batch) for batch in in_file_order)
     assert grouped < 0.6 * random_batches
+
+
+def micro_batches(per_process: int, processes: int, accumulation: int, group_by_length: bool) -> dict:
+    """{(optimizer step, the micro-batch's seed): its examples} over one epoch, dealt out as
+    `accelerator.prepare` deals them, each micro-batch seeded as train.py seeds it."""
+    sampler = EpochLengthGroupedSampler(LENGTHS, per_process * processes * accumulation, 42, group_by_length)
+    batches = BatchSampler(sampler, per_process, drop_last=False)
+    found = {}
+    for rank in range(processes):
+        shard = list(BatchSamplerShard(batches, num_processes=processes, process_index=rank))
+        for i, batch in enumerate(shard):
+            step, micro = divmod(i, accumulation)
+            found[(step, micro_batch_seed(42, step, micro * processes + rank))] = sorted(batch)
+    return found
+
+
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_more_processes_and_less_accumulation_run_the_same_micro_batches_with_the_same_seeds(group_by_length):
+    one = micro_batches(8, processes=1, accumulation=4, group_by_length=group_by_length)
+    assert len(one) == 31 * 4  # every micro-batch of the epoch, each with a seed of its own
+    for processes, accumulation in [(2, 2), (4, 1)]:
+        assert micro_batches(8, processes, accumulation, group_by_length) == one, (processes, accumulation)
 
 
 @pytest.mark.slow

@@ -520,3 +520,28 @@ def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
     checkpointed, parts = peak_line(run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--model",
                                               "scratch-base", "--gradient_checkpointing")[1])
     assert checkpointed < plain and "checkpointed" in parts and "DDP gradient buckets" in parts
+
+
+def test_a_resume_shows_the_accumulation_that_keeps_the_checkpoint_s_global_batch(capsys, tmp_path):
+    import dataclasses
+
+    from textclf.config import TrainConfig
+
+    made_with = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "model": "scratch-tiny"}
+    step = tmp_path / "run" / "step_6"
+    step.mkdir(parents=True)
+    step.joinpath("position.json").write_text(json.dumps({
+        "step": 6, "world_size": 1, "global_batch_size": 32, "zero_stage": None, "mixed_precision": "no",
+        **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}}))
+    cpu = ["--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu", "--resume", step]
+    status, out, err = run_check(capsys, *cpu)
+    assert status == 0, err
+    assert report(out)["batch"] == "micro 8 x accumulation 2 x 2 processes = global 32"
+    assert report(out)["resume"] == f"{step}: made by 1 process with gradient accumulation 4, on 2 processes: " \
+                                    "gradient accumulation 2 keeps its global batch of 32"
+    status, out, err = run_check(capsys, *cpu, "--num_processes", 3)
+    assert status == 1 and "on 3 processes: its global batch of 32" in err
+    assert "resume it on 1, 2, 4 processes" in err
+    status, out, err = run_check(capsys, "--config_file", "accelerate_configs/zero2.yaml", "--target", "cpu",
+                                 "--resume", step)
+    assert status == 1 and "DeepSpeed ZeRO stage None (this launch: 2)" in err

@@ -63,9 +63,10 @@ def test_one_process_resume_is_bitwise_exact(tmp_path, args, logging_steps):
 
 @pytest.fixture(scope="module")
 def two_process_ga3(tmp_path_factory, args):
-    """2 processes, GA 3: 14 micro-batches per process and epoch, so 5 optimizer steps per epoch.
+    """2 processes, GA 3: 4 global batches of 48 per epoch (24 of the 216 examples sit out), so 12
+    micro-batches per process and 4 optimizer steps per epoch.
 
-    Checkpoints at every step give both an epoch boundary (step 5) and mid-epoch points; the eval
+    Checkpoints at every step give both an epoch boundary (step 4) and mid-epoch points; the eval
     set (24) is not a multiple of its batch (7), and an evaluation (every 3 steps) precedes some. A
     log line every 5 steps: the checkpoints at steps 6 and 7 fall between two.
     """
@@ -77,11 +78,11 @@ def two_process_ga3(tmp_path_factory, args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [5, 6, 7], ids=["epoch-boundary", "after-mid-epoch-eval", "mid-epoch"])
+@pytest.mark.parametrize("step", [4, 6, 7], ids=["epoch-boundary", "after-mid-epoch-eval", "mid-epoch"])
 def test_two_processes_with_accumulation_resume_exactly(tmp_path, two_process_ga3, step):
     full, run = two_process_ga3
     position = json.loads((full / f"step_{step}" / "position.json").read_text())
-    assert (position["epoch"], position["batch_in_epoch"]) == {5: (0, 14), 6: (1, 3), 7: (1, 6)}[step]
+    assert (position["epoch"], position["batch_in_epoch"]) == {4: (0, 12), 6: (1, 6), 7: (1, 9)}[step]
     train([*run, "--output_dir", tmp_path, "--resume", full / f"step_{step}"], config_file=CPU_YAML)
     assert_same_run(full, tmp_path, step)
     evals = [row for row in read_log(tmp_path) if "eval_accuracy" in row]
@@ -302,9 +303,6 @@ BAD_RESUMES = {
                    "made with training data = 0000000000000000"),
     "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
                              "made with gradient_accumulation_steps = 1, this run has 2"),
-    "changed world size": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(world_size=2)), [],
-                           "made by a launch with number of processes 2 (this launch: 1); resume it with "
-                           "accelerate launch"),
     "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
                          "made by a launch with DeepSpeed ZeRO stage 2 (this launch: None); resume it with "
                          "accelerate launch --config_file accelerate_configs/zero2.yaml"),
@@ -450,6 +448,38 @@ def test_resume_latest_finds_the_newest_checkpoint_in_output_dir(tmp_path):
     assert cfg.learning_rate == 0.002 and cfg.resume == "latest"
 
 
+def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_the_newest_checkpoint(tmp_path):
+    from textclf.config import parse_config
+
+    cfg = parse_config(["--resume", "auto", "--output_dir", str(tmp_path / "run"), "--learning_rate", "0.1"])
+    assert cfg.resume == "auto" and cfg.learning_rate == 0.1  # nothing to continue: a fresh run's config
+    fake_checkpoint(tmp_path / "run" / "step_4", **{**MADE_WITH, "learning_rate": 0.1})
+    fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
+    cfg = parse_config(["--resume", "auto", "--output_dir", str(tmp_path / "run")])
+    assert cfg.learning_rate == 0.002 and cfg.resume == "auto"  # step_8's config
+
+
+@pytest.mark.slow
+def test_sigterm_then_the_same_command_again_finishes_the_uninterrupted_run(tmp_path, args):
+    """What a requeued SLURM job does (scripts/slurm.sbatch): one command, run until a SIGTERM stops it with a
+    checkpoint, then run again, continues where it stopped and ends with the uninterrupted run's weights."""
+    run = [*args, "--max_steps", 30, "--save_steps", 10, "--output_dir", tmp_path / "requeued", "--resume", "auto"]
+    train([*args, "--max_steps", 30, "--save_steps", 10, "--output_dir", tmp_path / "full"])
+    process = subprocess.Popen(train_command(run), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, **OFFLINE}, text=True)
+    wait_for(lambda: (tmp_path / "requeued" / "log.jsonl").exists()
+             and len(losses(tmp_path / "requeued")) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    stopped_at = max(losses(tmp_path / "requeued"))
+    assert f"stopped by SIGTERM at step {stopped_at}" in stdout and stopped_at < 30
+    assert not (tmp_path / "requeued" / "model").exists()
+    again = train(run)
+    assert f"resumed from {tmp_path / 'requeued' / f'step_{stopped_at}'}" in again.stdout
+    assert_same_run(tmp_path / "full", tmp_path / "requeued", 0)
+
+
 def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path):
     from textclf.config import RESUME_MAY_CHANGE, field_names, parse_config
 
@@ -544,3 +574,79 @@ def test_a_non_default_run_resumes_exactly_from_its_path_alone(tmp_path, gbk_tsv
                                    str(resumed / f"step_{made['best_model']['step']}")}
     lrs = [row["lr"] for row in read_log(full) if "lr" in row]
     assert lrs[:3] == pytest.approx([0.002 / 3, 2 * 0.002 / 3, 0.002])  # 3 warmup steps, not a ratio of 20
+
+
+# --- another number of processes --------------------------------------------------------------------------------
+
+def assert_close_run(uninterrupted, resumed, from_step, rel=1e-4):
+    """The resumed steps log the uninterrupted run's losses within float summation error (the micro-batches, their
+    dropout masks and the global batch are the same; only the order of the sums differs)."""
+    expected, got = losses(uninterrupted), losses(resumed)
+    later = [step for step in expected if step > from_step]
+    assert later and all(step in got for step in later), f"resumed run logged {sorted(got)}"
+    far = [(step, expected[step], got[step]) for step in later
+           if abs(got[step] - expected[step]) > rel * abs(expected[step])]
+    assert not far, f"losses differ after resume by more than {rel} (step, uninterrupted, resumed): {far[:5]}"
+    reference, final = weights(uninterrupted), weights(resumed)
+    assert all((reference[name] - final[name]).abs().max() <= 1e-4 for name in reference), "final weights differ"
+
+
+# (processes, accumulation) of the run that made the checkpoint, and the processes that resume it
+RESHAPES = {"2-to-1": ((2, 1), 1), "1-to-2": ((1, 2), 2)}
+
+
+def on(zoo_file, processes):
+    """train_forked's launch of `processes` ranks with a zoo file; one process of cpu.yaml is `python train.py`."""
+    if zoo_file == "cpu.yaml" and processes == 1:
+        return dict(config_file=None)
+    return dict(config_file=REPO / "accelerate_configs" / zoo_file, num_processes=processes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zoo_file", ["cpu.yaml", "zero2.yaml", "zero3.yaml"])
+@pytest.mark.parametrize("reshape", RESHAPES)
+def test_a_checkpoint_resumes_on_another_number_of_processes_keeping_the_global_batch(tmp_path, args, reshape,
+                                                                                     zoo_file):
+    """DDP and one process load their whole states; ZeRO's partitions go through DeepSpeed's universal checkpoint
+    (the default model, its dropout on)."""
+    (made_on, accumulation), resumed_on = RESHAPES[reshape]
+    run = [*args, "--max_steps", 12, "--save_steps", 6, "--logging_steps", 1, "--allow_pickle"]
+    train_forked([*run, "--gradient_accumulation_steps", accumulation, "--output_dir", tmp_path / "full"],
+                 **on(zoo_file, made_on))
+    resumed = train_forked([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_6"],
+                           **on(zoo_file, resumed_on))
+    assert (f"on {resumed_on} process{'es' * (resumed_on > 1)}: gradient accumulation "
+            f"{made_on * accumulation // resumed_on} keeps its global batch of 16") in resumed.stdout
+    assert_close_run(tmp_path / "full", tmp_path / "resumed", 6)
+    made = json.loads((tmp_path / "resumed" / "step_12" / "position.json").read_text())
+    assert (made["world_size"], made["gradient_accumulation_steps"], made["global_batch_size"]) == \
+        (resumed_on, made_on * accumulation // resumed_on, 16)
+    assert not [name for name in os.listdir(tmp_path / "resumed") if name.startswith(".universal_")]
+
+
+def test_slurm_script_forwards_the_time_limit_s_sigterm_and_requeues_the_same_command(tmp_path):
+    """scripts/slurm.sbatch under stand-ins for srun, scontrol and accelerate: the SIGTERM SLURM sends the batch
+    shell before the time limit reaches the launch, whose run saves and exits 0, and the job requeues itself;
+    the launch carries --resume auto, so the requeued job continues."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',  # drop srun's options, run the task
+        "scontrol": f'[ "$1" = show ] && echo node1 || echo "$@" >> {tmp_path}/scontrol',
+        "accelerate": f'echo "$@" > {tmp_path}/launch; trap "echo saved > {tmp_path}/saved; exit 0" TERM; '
+                      'while :; do sleep 0.05; done',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
+           "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": "77"}
+    job = subprocess.Popen(["bash", str(REPO / "scripts" / "slurm.sbatch"), "--output_dir", "/shared/run"], cwd=REPO,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "launch").exists(), job, timeout=30)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 0, stderr
+    assert (tmp_path / "saved").exists()  # the launch got the SIGTERM, and the script waited for it to end
+    assert (tmp_path / "scontrol").read_text().split() == ["requeue", "77"]
+    assert "train.py --resume auto --output_dir /shared/run" in (tmp_path / "launch").read_text()

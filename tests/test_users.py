@@ -281,21 +281,51 @@ RUN = {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}
 
 
 @pytest.mark.parametrize("position, launch", [
-    ({"world_size": 2, "zero_stage": None, "mixed_precision": "no"},
-     "number of processes 2 (this launch: 1); resume it with accelerate launch --config_file "
-     "accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2 --mixed_precision no train.py --resume ck"),
+    ({"world_size": 2, "zero_stage": None, "mixed_precision": "bf16"},
+     "precision (mixed_precision) bf16 (this launch: no); resume it with accelerate launch --config_file "
+     "accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2 --mixed_precision bf16 train.py --resume ck"),
     ({"world_size": 2, "zero_stage": 3, "mixed_precision": "bf16"},
-     "number of processes 2 (this launch: 1), DeepSpeed ZeRO stage 3 (this launch: None), precision "
-     "(mixed_precision) bf16 (this launch: no); resume it with accelerate launch --config_file "
-     "accelerate_configs/zero3.yaml (or its _offload variant) --num_processes 2 --mixed_precision bf16 train.py"),
+     "DeepSpeed ZeRO stage 3 (this launch: None), precision (mixed_precision) bf16 (this launch: no); resume it "
+     "with accelerate launch --config_file accelerate_configs/zero3.yaml (or its _offload variant) "
+     "--num_processes 2 --mixed_precision bf16 train.py"),
+    ({"world_size": 2, "zero_stage": None, "mixed_precision": "no"},  # FSDP's shards: not resharded
+     "FSDP on 2 processes (this launch: 1), whose sharded states this textclf does not reshard; resume it with "
+     "accelerate launch --config_file accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2"),
 ])
 def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, launch):
     from textclf import checkpoint
 
+    run = {**RUN, "distributed_type": "FSDP"} if launch.startswith("FSDP") else RUN
     with pytest.raises(InputError) as refused:
-        checkpoint.check_launch("ck", position, RUN)
+        checkpoint.check_launch("ck", position, run)
     assert str(refused.value).startswith(f"cannot resume from ck: it was made by a launch with {launch}")
-    checkpoint.check_launch("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN)
+    assert checkpoint.check_launch("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN) is None
+
+
+def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names_the_ones_that_can():
+    from textclf import checkpoint
+
+    made = {"world_size": 2, "gradient_accumulation_steps": 3, "per_device_train_batch_size": 8,
+            "global_batch_size": 48, "zero_stage": None, "mixed_precision": "no"}
+    assert checkpoint.accumulation_for("ck", made, 1) == 6 and checkpoint.accumulation_for("ck", made, 6) == 1
+    assert checkpoint.check_launch("ck", made, {**RUN, "num_processes": 3}) == (
+        "resuming ck, made by 2 processes with gradient accumulation 3, on 3 processes: gradient accumulation 2 "
+        "keeps its global batch of 48")
+    with pytest.raises(InputError) as refused:
+        checkpoint.accumulation_for("ck", made, 4)
+    assert str(refused.value) == (
+        "cannot resume from ck on 4 processes: its global batch of 48 (2 processes x micro-batch 8 x accumulation 3) "
+        "is not a whole number of micro-batches of 8 per process; resume it on 1, 2, 3, 6 processes (accelerate "
+        "launch --num_processes N ... train.py --resume ck)")
+    with pytest.raises(InputError, match="made by an older textclf, whose data order depended on the number of "
+                                         "processes"):
+        checkpoint.accumulation_for("ck", {**made, "global_batch_size": None}, 2)
+    # the position as the new launch counts it: batches per process into the epoch, the loss window split evenly
+    window = {"loss_sum": 3.0, "losses": 6, "samples": 48, "real_tokens": 301, "padded_tokens": 400}
+    moved = checkpoint.on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 3, 2)
+    assert moved["batch_in_epoch"] == 6
+    assert moved["loss_window"] == [{"loss_sum": 2.0, "losses": 4, "samples": 32, "real_tokens": 200 + extra,
+                                     "padded_tokens": 266 + 2 * (extra > 0)} for extra in (2, 0, 0)]
 
 
 @pytest.mark.parametrize("command, status, said", [
@@ -470,3 +500,14 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
                      f"data: read {tmp_path / 'd.csv'}: 20 rows in <time>",
                      f"eval: 25% of {tmp_path / 'd.csv'} held out, stratified by label",
                      "data: labels and split: 15 train / 5 eval examples in <time>"]
+
+
+def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_universal_checkpoint():
+    from textclf import checkpoint
+
+    made = {"world_size": 2, "zero_stage": 3}
+    assert checkpoint.needs_universal("ck", made, 1, False) and not checkpoint.needs_universal("ck", made, 2, True)
+    assert not checkpoint.needs_universal("ck", {**made, "zero_stage": None}, 1, True)  # DDP: whole states
+    with pytest.raises(InputError, match="cannot resume ck on 1 process with --load_best_model_at_end: its ZeRO "
+                                         "states were saved by 2 processes"):
+        checkpoint.needs_universal("ck", made, 1, True)

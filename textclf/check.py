@@ -15,6 +15,7 @@ conflict, each naming both places; 2 with one `error:` line for input it cannot 
 """
 
 import argparse
+import dataclasses
 import glob
 import json
 import logging
@@ -58,6 +59,7 @@ if __name__ == "__main__":
 
 import torch
 
+from .checkpoint import accumulation_for, check_launch, choose_checkpoint, read_verified_position
 from .data import sample_key
 from .job import load_data
 from .launch import fewer_processes, zero_offload
@@ -411,6 +413,15 @@ def human(n_bytes: float) -> str:
         n_bytes /= 1024
 
 
+def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
+    """(path, position) of the checkpoint that --resume names, or None without one (--resume auto in an empty
+    folder)."""
+    if not cfg.resume:
+        return None
+    path = choose_checkpoint(cfg.resume, cfg.output_dir, True)
+    return (path, read_verified_position(path)) if path else None
+
+
 def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """(report lines, warnings, conflicts) for one launch."""
     launch = read_launch(args)
@@ -418,6 +429,13 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     kind, world, machines = launch["distributed_type"], launch["num_processes"], launch["num_machines"]
     check_topology(launch, conflicts)
     precision, source = launch["mixed_precision"], launch["precision_source"]
+    resumed = resume_checkpoint(cfg)
+    if resumed:  # the accumulation that keeps its global batch on this launch's processes
+        try:
+            cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accumulation_for(*resumed, world))
+        except InputError as e:
+            conflicts.append(str(e))
+            resumed = None
 
     stage, offload, ds_place, zero = 0, {}, None, {}
     if kind == "DEEPSPEED":
@@ -438,6 +456,17 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         if launch["fsdp_offload_params"]:
             offload = {"weights": "cpu", "gradients": "cpu", "optimizer states": "cpu"}
     check_machine(launch, precision, source, args.target, conflicts, warnings)
+    resume_line = None
+    if resumed:
+        try:
+            resume_line = check_launch(*resumed, {"num_processes": world, "distributed_type": kind,
+                                                  "zero_stage": stage if kind == "DEEPSPEED" else None,
+                                                  "mixed_precision": precision})
+        except InputError as e:
+            conflicts.append(str(e))
+        resume_line = f"{resumed[0]}: " + (resume_line.removeprefix(f"resuming {resumed[0]}, ") if resume_line else
+                                          f"the launch that made it, gradient accumulation "
+                                          f"{cfg.gradient_accumulation_steps}")
     model, vocabulary = planned_model(cfg)
     fsdp_wrap = check_fsdp_wrap(launch, model, cfg.model, conflicts, warnings) if kind == "FSDP" else None
 
@@ -474,6 +503,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
                  if kind == "DEEPSPEED" else "-"),
         ("batch", f"micro {micro} x accumulation {accumulation} x {plural(world, 'process')} "
                   f"= global {micro * accumulation * world}"),
+        *([("resume", resume_line)] if resume_line else []),
         ("model", f"{cfg.model}: {params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"
                   + (f" ({trainable / params:.2%}, LoRA)" if cfg.lora else "")
                   + (f"; {vocabulary}" if vocabulary else "")),

@@ -47,17 +47,20 @@ LOCK = ".lock"  # held (flock) by the main process of the run that owns the fold
 # What a run stores of its loss window, per rank (tracking.Window.state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
                "padded_tokens": (int,)}
-# What must match between a checkpoint and the run resuming it, and how to say it.
+# What must match between a checkpoint and the run resuming it, and how to say it. The number of processes and
+# the accumulation may change (the data order depends on neither: data.EpochLengthGroupedSampler), as long as
+# they keep the global batch (accumulation_for).
 IDENTITY = {
-    "world_size": "number of processes",
+    "global_batch_size": "global batch (micro-batch x processes x accumulation)",
     "zero_stage": "DeepSpeed ZeRO stage",
     "mixed_precision": "precision (mixed_precision)",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
     "per_device_train_batch_size": "per_device_train_batch_size",
     "model": "model",
     "lora": "lora",
     "data_fingerprint": "training data",
 }
+# Recorded with the identity, not compared: how the checkpoint's launch split its global batch.
+SPLIT = ("world_size", "gradient_accumulation_steps")
 _held_locks = []  # the open lock files of this process: closing one would release the folder
 _warned = set()  # the step folders without position.json this process has warned of (choose_checkpoint runs twice)
 
@@ -66,8 +69,9 @@ def identity(cfg, run: dict, data_fingerprint: str) -> dict:
     """This run's value of each IDENTITY key: from the launch (`run`, as runtime.describe says it), the
     training data, or the config."""
     launch = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
-              "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint}
-    return {key: launch[key] if key in launch else getattr(cfg, key) for key in IDENTITY}
+              "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint,
+              "global_batch_size": run["global_batch_size"]}
+    return {key: launch[key] if key in launch else getattr(cfg, key) for key in (*IDENTITY, *SPLIT)}
 
 
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
@@ -143,6 +147,8 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
 
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     existing = complete_checkpoints(output_dir)
+    if resume == "auto":  # one command that starts a run and continues it (a requeued job reruns its command)
+        return existing[-1][1] if existing else None
     if resume == "latest":
         newer = without_position(output_dir, existing[-1][0] if existing else -1)
         if not existing:
@@ -182,18 +188,78 @@ def continue_advice(output_dir: str, free_space: bool = True) -> str:
     return f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
 
 
-LAUNCH_KEYS = ("world_size", "zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
+LAUNCH_KEYS = ("zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
 
 
-def check_launch(checkpoint: str, position: dict, run: dict) -> None:
-    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can."""
+def global_batch(position: dict) -> Optional[int]:
+    """The checkpoint's global batch; None for one made before the data order stopped depending on the number of
+    processes (its order cannot be replayed)."""
+    return position.get("global_batch_size")
+
+
+def processes(n) -> str:
+    return f"{n} process{'es' * (n != 1)}"
+
+
+def accumulation_for(checkpoint: str, position: dict, world_size: int) -> int:
+    """The gradient accumulation that keeps the checkpoint's global batch on `world_size` processes, refusing
+    in one line (with the numbers of processes that can) when none does. No torch: it runs before the launch's
+    Accelerator is made, which takes the accumulation."""
+    total, micro = global_batch(position), position.get("per_device_train_batch_size")
+    if not (isinstance(total, int) and isinstance(micro, int) and micro > 0):
+        raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
+                         "depended on the number of processes; resume it with the textclf that made it, or start "
+                         "a new run")
+    if total % (micro * world_size):
+        fits = [n for n in range(1, total // micro + 1) if (total // micro) % n == 0]
+        raise InputError(f"cannot resume from {checkpoint} on {processes(world_size)}: its global batch of {total} "
+                         f"({processes(position.get('world_size'))} x micro-batch {micro} x accumulation "
+                         f"{position.get('gradient_accumulation_steps')}) is not a whole number of micro-batches of "
+                         f"{micro} per process; resume it on {', '.join(map(str, fits))} processes "
+                         f"(accelerate launch --num_processes N ... train.py --resume {checkpoint})")
+    return total // (micro * world_size)
+
+
+def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
+    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can. Returns
+    the line that says how a resume on another number of processes keeps the global batch, or None."""
     this = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
             "mixed_precision": run["mixed_precision"]}
     differ = [f"{IDENTITY[key]} {position.get(key)} (this launch: {this[key]})" for key in LAUNCH_KEYS
               if key in position and position[key] != this[key]]
+    made_on = position.get("world_size")
+    if made_on != this["world_size"] and not differ:  # ZeRO's partitions go through a universal checkpoint
+        if run.get("distributed_type") == "FSDP" or os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)):
+            differ.append(f"FSDP on {processes(made_on)} (this launch: {this['world_size']}), whose sharded "
+                          "states this textclf does not reshard")
     if differ:
         raise InputError(f"cannot resume from {checkpoint}: it was made by a launch with {', '.join(differ)}; "
                          f"resume it with {launch_for(position)} --resume {checkpoint}")
+    if made_on == this["world_size"]:
+        return None
+    return (f"resuming {checkpoint}, made by {processes(made_on)} with gradient accumulation "
+            f"{position.get('gradient_accumulation_steps')}, on {processes(this['world_size'])}: gradient "
+            f"accumulation {accumulation_for(checkpoint, position, this['world_size'])} keeps its global batch of "
+            f"{global_batch(position)}")
+
+
+def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int) -> dict:
+    """The position as this launch counts it: batches per process into the epoch, and the loss window split
+    evenly over this launch's processes (a checkpoint sits where gradients sync, so both divide exactly)."""
+    made_on, made_with = position.get("world_size"), position.get("gradient_accumulation_steps")
+    if made_on == world_size:
+        return position
+    windows = position.get("loss_window")
+    if isinstance(windows, list) and all(isinstance(w, dict) for w in windows) and \
+            all(type(w.get(key)) in types for w in windows for key, types in WINDOW_KEYS.items()):
+        totals = {key: sum(w[key] for w in windows) for key in WINDOW_KEYS}
+        windows = [{"loss_sum": totals["loss_sum"] / world_size, "losses": totals["losses"] // world_size,
+                    **{key: totals[key] // world_size + (totals[key] % world_size if rank == 0 else 0)
+                       for key in ("samples", "real_tokens", "padded_tokens")}} for rank in range(world_size)]
+    batch = position.get("batch_in_epoch")
+    if type(batch) is int and isinstance(made_with, int) and made_with > 0:
+        batch = batch // made_with * gradient_accumulation_steps
+    return {**position, "batch_in_epoch": batch, "loss_window": windows}
 
 
 def launch_for(position: dict) -> str:
@@ -531,7 +597,7 @@ def is_current(lock_file, path: str) -> bool:
 
 def remove_leftovers(output_dir: str) -> list[str]:
     """Delete what runs killed while saving or deleting a checkpoint left; main process only."""
-    removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING)))
+    removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING, UNIVERSAL)))
     for name in removed:
         try:
             shutil.rmtree(os.path.join(output_dir, name))
@@ -553,6 +619,101 @@ def delete_folder(path: str) -> None:
     except OSError as e:
         raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
+
+
+UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another number of processes
+DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
+
+
+def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_model_at_end: bool) -> bool:
+    """Whether resuming this checkpoint on world_size processes goes through DeepSpeed's universal checkpoint:
+    ZeRO partitions its optimizer state (and, at stage 3, the weights) over the processes that saved it.
+    The best model's reload at the end loads checkpoints of both sizes into one engine, which is not offered."""
+    universal = position.get("zero_stage") is not None and position.get("world_size") != world_size
+    if universal and load_best_model_at_end:
+        raise InputError(f"cannot resume {checkpoint} on {processes(world_size)} with --load_best_model_at_end: its "
+                         f"ZeRO states were saved by {processes(position.get('world_size'))}, and the best model's "
+                         "reload would mix checkpoints of both; resume it on as many processes as made it, or with "
+                         "--load_best_model_at_end false")
+    return universal
+
+
+def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
+    """Collective: a folder that `accelerator.load_state` reads as `checkpoint`, with DeepSpeed's states
+    converted to its universal checkpoint (deepspeed.checkpoint.ds_to_universal: one file per parameter and
+    state, which any number of processes loads with `"checkpoint": {"load_universal": true}`). Accelerate's own
+    files are linked, not copied. The main process converts; the folder is removed once loaded
+    (load_state), or by the next start if the run is killed first."""
+    folder = os.path.join(output_dir, UNIVERSAL + os.path.basename(os.path.normpath(checkpoint)))
+
+    def convert():
+        from argparse import Namespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        refuse_round_robin(checkpoint)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        for name in os.listdir(checkpoint):
+            if name != DEEPSPEED_TAG:
+                os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(folder, name))
+        try:  # DeepSpeed's script, called as its command line would call it
+            ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
+                                      output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
+                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                      inject_missing_state=True))
+        except WRITE_ERRORS as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise write_failed("convert to a universal checkpoint", checkpoint, e,
+                               f"free space in {output_dir}, then run again") from None
+
+    checked_on_main_process(accelerator, convert)
+    return folder
+
+
+def refuse_round_robin(checkpoint: str) -> None:
+    """DeepSpeed's conversion misplaces the parameters of a ZeRO-1/2 checkpoint saved with
+    `round_robin_gradients` by more than one process (it reads them back in the order they were declared, not
+    in the round-robin order of the partitions): measured, then refused rather than trained on. The zoo's
+    DeepSpeed files leave it off."""
+    import torch
+
+    tag = os.path.join(checkpoint, DEEPSPEED_TAG)
+    states = sorted(name for name in os.listdir(tag) if name.endswith("model_states.pt"))
+    config = torch.load(os.path.join(tag, states[0]), map_location="cpu", weights_only=False).get("ds_config", {})
+    zero = config.get("zero_optimization", {})
+    if zero.get("round_robin_gradients") and zero.get("stage") in (1, 2):
+        raise InputError(f"cannot resume {checkpoint} on another number of processes: it was saved with "
+                         '"round_robin_gradients": true, whose partitions DeepSpeed\'s universal checkpoint '
+                         "misreads; resume it on the number of processes that made it")
+
+
+def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir: str, universal: bool) -> None:
+    """Collective: `accelerator.load_state(checkpoint)`, through universal_copy where ZeRO's partitions change
+    hands; a checkpoint that does not load is one line."""
+    import torch
+
+    load_from = universal_copy(accelerator, checkpoint, output_dir) if universal else checkpoint
+    # DeepSpeed's universal load gives every parameter group the first group's settings ("generally the same",
+    # stage3.py): the no-decay group would be decayed. The groups' own settings are put back after it.
+    settings = [{key: value for key, value in group.items() if key not in ("params", "lr")}
+                for group in optimizer.param_groups]
+    try:
+        accelerator.load_state(load_from)
+    except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
+        raise InputError(f"cannot load checkpoint {checkpoint}: {str(e).splitlines()[0]}") from None
+    if universal:
+        # It also gives every ZeRO-3 partition one shared `step` tensor, which fused AdamW then increments in place
+        # once per partition at each step: each gets its own. (optimizer.optimizer is DeepSpeed's ZeRO optimizer,
+        # its .optimizer the torch one; test_resume.py's ZeRO-3 resumes fail if either changes.)
+        for state in optimizer.optimizer.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        for group, own in zip(optimizer.param_groups, settings):
+            group.update(own)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(load_from, ignore_errors=True)
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:

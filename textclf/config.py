@@ -108,8 +108,9 @@ class TrainConfig:
     )
     group_by_length: bool = field(
         default=True,
-        metadata={"help": "Batch texts of similar length together (less padding, same order for a "
-                  "given seed and epoch); evaluation batches are sorted by length too."},
+        metadata={"help": "Batch texts of similar length together: each global batch is one length group (less "
+                  "padding; the same order for a given seed, epoch and global batch, however many processes "
+                  "share it); evaluation batches are sorted by length too."},
     )
     dataloader_num_workers: int = field(
         default=0, metadata={"help": "Worker processes that collate batches (0: in the training process)."}
@@ -234,7 +235,9 @@ class TrainConfig:
     )
     resume: Optional[str] = field(
         default=None,
-        metadata={"help": "A step_<N> checkpoint folder, or 'latest' for the newest complete one in output_dir. "
+        metadata={"help": "A step_<N> checkpoint folder, 'latest' for the newest complete one in output_dir, or "
+                  "'auto': the newest complete one when there is one, else a fresh start (a requeued job's "
+                  "command). "
                   "The run's config comes from the checkpoint; flags may change only what keeps the run exact "
                   "or extends it (RESUME_MAY_CHANGE in textclf/config.py)."},
     )
@@ -524,6 +527,8 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     from .checkpoint import find_resume_checkpoint, read_verified_position  # here: --help stays fast
 
     path = find_resume_checkpoint(known.resume, known.output_dir, True)
+    if path is None:  # --resume auto in a folder without a checkpoint: a fresh start
+        return None
     config = read_verified_position(path).get("config")
     if config is None:  # written before checkpoints held their config: every flag must be given again
         return None

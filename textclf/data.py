@@ -467,56 +467,84 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
 
 
 class EpochLengthGroupedSampler(Sampler):
-    """The Trainer's length groups (its `group_by_length`), shuffled whole, drawn from (seed, epoch) alone.
+    """An epoch's examples in whole global batches, drawn from (seed, epoch, global batch) alone.
 
-    The Trainer's order walks each megabatch from its longest group to its shortest. Where length
-    goes with the label (negative reviews run longer), that sweeps the label mix of successive
-    batches back and forth, and a model trained from scratch stayed at chance for epochs. Shuffling
-    whole groups keeps the padding as low and the batches as independent as random ones; the group
-    with the longest example stays first, so an out-of-memory batch shows at once. A pure function
-    of the epoch is what lets a resumed run replay its batches (Accelerate calls `set_epoch`).
-    No library sampler orders groups this way, so it is written here over transformers' grouping.
+    Which examples make each optimizer step depends on the seed, the data, the global batch
+    (micro-batch x processes x accumulation) and the epoch, never on how the global batch is split:
+    `accelerate.prepare` deals the micro-batches of each global batch out to the processes in turn, so
+    with more processes and less accumulation (or the reverse) the micro-batches are the same sets of
+    examples, and a checkpoint resumes on another number of processes at the same example. An epoch
+    is the whole global batches the data fills; the examples left over (fewer than one global batch)
+    sit out that epoch, a different draw each epoch (all of them repeat from the start when the data
+    holds less than one global batch). A pure function of the epoch is what lets a resumed run replay
+    its batches (Accelerate calls `set_epoch`).
+
+    With `group_by_length`, each global batch is one of the Trainer's length groups (its
+    `group_by_length`), and the groups are shuffled whole. The Trainer's order walks each megabatch
+    from its longest group to its shortest; where length goes with the label (negative reviews run
+    longer), that sweeps the label mix of successive batches back and forth, and a model trained from
+    scratch stayed at chance for epochs. Shuffling whole groups keeps the padding as low and the
+    batches as independent as random ones; the group with the longest example stays first, so an
+    out-of-memory batch shows at once. No library sampler orders groups this way, so it is written
+    here over transformers' grouping.
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True):
         self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+        self.group_by_length = group_by_length
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return max(len(self.lengths) // self.batch_size, 1) * self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        indices = get_length_grouped_indices(self.lengths, self.batch_size, generator=generator)
-        groups = [indices[i:i + self.batch_size] for i in range(0, len(indices), self.batch_size)]
-        # The last group may be short: it stays last, so every other one splits evenly over the ranks.
-        full = len(indices) // self.batch_size
-        middle = [groups[1 + i] for i in torch.randperm(full - 1, generator=generator).tolist()] if full > 1 else []
-        return iter([i for group in groups[:1] + middle + groups[max(full, 1):] for i in group])
+        drawn = torch.randperm(len(self.lengths), generator=generator).tolist()
+        kept = (drawn * math.ceil(len(self) / len(drawn)))[:len(self)]
+        if not self.group_by_length:
+            return iter(kept)
+        grouped = [kept[i] for i in get_length_grouped_indices([self.lengths[i] for i in kept], self.batch_size,
+                                                               generator=generator)]
+        groups = [grouped[i:i + self.batch_size] for i in range(0, len(grouped), self.batch_size)]
+        rest = [groups[1 + i] for i in torch.randperm(len(groups) - 1, generator=generator).tolist()]
+        return iter([i for group in groups[:1] + rest for i in group])
+
+
+def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
+    """The RNG seed for one micro-batch's forward and backward (dropout), from its place in the run: the
+    optimizer step and its index among the step's micro-batches (accumulation index x processes + rank).
+    Which rank runs it does not matter, and the position is the whole of the RNG state a resume needs."""
+    digest = hashlib.sha256(f"{seed}/{step}/{micro_batch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # a generator takes up to 2**63 - 1
+
+
+def seed_micro_batch(seed: int, step: int, micro_batch: int, device: torch.device) -> None:
+    """Seed the generators one micro-batch draws from (micro_batch_seed): the CPU's, and the GPU's it runs on.
+    Not torch.manual_seed, which also seeds every other device type torch knows of (about 1 ms a call)."""
+    value = micro_batch_seed(seed, step, micro_batch)
+    torch.default_generator.manual_seed(value)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)  # the current device's generator
 
 
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
-                 num_processes: int, group_by_length: bool, seed: int, pad_to_multiple_of=None,
-                 pin_memory: bool = False, num_workers: int = 0):
+                 num_processes: int, group_by_length: bool, seed: int, gradient_accumulation_steps: int = 1,
+                 pad_to_multiple_of=None, pin_memory: bool = False, num_workers: int = 0):
     """Training and evaluation DataLoaders, before `accelerator.prepare` shards them.
 
-    Each loader owns its generator: otherwise every new iterator draws a seed from the global RNG,
-    which shifts the dropout masks and breaks exact resume. `pin_memory` (for a GPU) puts batches in
-    page-locked memory, from which they are copied to the device while it works.
+    The training order comes in whole global batches (EpochLengthGroupedSampler). Each loader owns its
+    generator: otherwise every new iterator draws a seed from the global RNG. `pin_memory` (for a GPU)
+    puts batches in page-locked memory, from which they are copied to the device while it works.
     """
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
     lengths, train = train["length"][:], train.remove_columns(["length"])  # [:] reads the column once
-    if group_by_length:
-        # A group spans one micro-step of all processes, so every rank gets similar lengths.
-        sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes, seed)
-        train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
-                                  generator=generator, pin_memory=pin_memory, num_workers=num_workers)
-    else:
-        train_loader = DataLoader(train, batch_size=train_batch_size, shuffle=True, collate_fn=collate,
-                                  generator=generator, pin_memory=pin_memory, num_workers=num_workers)
+    sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes * gradient_accumulation_steps,
+                                        seed, group_by_length)
+    train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
+                              generator=generator, pin_memory=pin_memory, num_workers=num_workers)
     # Sorted by length, evaluation pads little; the metrics do not depend on the order.
     eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, pin_memory,
                                        num_workers)
