@@ -222,7 +222,14 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
         if complete and incomplete:
             raise InputError(f"{weights}: weights missing or of the wrong shape for its config: "
                              f"{', '.join(sorted(map(str, incomplete))[:3])}")
-    else:
+    elif type(config) in MODEL_CLASS_MAPPING:
+        # The class itself, not from_config: under ZeRO-3 from_config builds the weights already partitioned
+        # (deepspeed.zero.Init), drawing other random numbers than DDP or one process from the same seed.
+        model = MODEL_CLASS_MAPPING[type(config)](config)
+        wanted = dtype.get("dtype", config.dtype)  # from_config's default: the config's own dtype
+        if wanted is not None:
+            model = model.to(getattr(torch, wanted) if isinstance(wanted, str) else wanted)
+    else:  # a folder's own model class (trust_remote_code)
         try:
             model = MODEL_CLASS.from_config(config, trust_remote_code=trust_remote_code, **dtype)
         except ValueError as e:
