@@ -17,7 +17,7 @@ from textclf.config import TrainConfig, parse_config
 from textclf.launch import check_launch_early, launch_shortfall
 
 if __name__ == "__main__":
-    # The command line first: --help and a mistyped flag answer at once, not after the imports below (~7 s);
+    # The command line first: --help and a mistyped flag answer at once, not after the heavy imports below;
     # so do a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
     run_command(lambda: check_launch_early(cfg))
@@ -45,6 +45,9 @@ from textclf.task import Task
 def main(cfg: TrainConfig) -> None:
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    # Checkpoints record the accumulation asked for, not the one a launch of another size takes to keep the global
+    # batch: the same command then resumes them again on any number of processes (a requeued job).
+    asked_accumulation = cfg.gradient_accumulation_steps
     if resume_from:  # on another number of processes, the accumulation that keeps the checkpoint's global batch
         position = checkpoint.read_verified_position(resume_from)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -146,7 +149,8 @@ def main(cfg: TrainConfig) -> None:
 
     def save(step, epoch, batch_in_epoch, metrics, window):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
-                 "best": best, "loss_window": tracking.window_states(accelerator, window), "config": cfg.to_dict()}
+                 "best": best, "loss_window": tracking.window_states(accelerator, window),
+                 "config": cfg.to_dict() | {"gradient_accumulation_steps": asked_accumulation}}
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
             checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from,

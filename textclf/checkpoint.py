@@ -702,6 +702,9 @@ def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir:
         accelerator.load_state(load_from)
     except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
         raise InputError(f"cannot load checkpoint {checkpoint}: {str(e).splitlines()[0]}") from None
+    # load_state also restores accelerate's micro-batch counter, which decides where gradients sync; it counts in
+    # the saved accumulation, and a checkpoint always sits where they synced: zero, in any accumulation's units.
+    accelerator.step = 0
     if universal:
         # It also gives every ZeRO-3 partition one shared `step` tensor, which fused AdamW then increments in place
         # once per partition at each step: each gets its own. (optimizer.optimizer is DeepSpeed's ZeRO optimizer,
