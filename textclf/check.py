@@ -464,9 +464,10 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
                                                   "mixed_precision": precision})
         except InputError as e:
             conflicts.append(str(e))
-        resume_line = f"{resumed[0]}: " + (resume_line.removeprefix(f"resuming {resumed[0]}, ") if resume_line else
-                                          f"the launch that made it, gradient accumulation "
-                                          f"{cfg.gradient_accumulation_steps}")
+        else:
+            resume_line = f"{resumed[0]}: " + (resume_line.removeprefix(f"resuming {resumed[0]}, ") if resume_line
+                                              else f"the launch that made it, gradient accumulation "
+                                                   f"{cfg.gradient_accumulation_steps}")
     model, vocabulary = planned_model(cfg)
     fsdp_wrap = check_fsdp_wrap(launch, model, cfg.model, conflicts, warnings) if kind == "FSDP" else None
 
