@@ -447,7 +447,7 @@ def to_bool(text: str) -> bool:
 
 def add_field(group, f: dataclasses.Field, hint) -> None:
     """One option for one field, typed as the field is: what transformers' HfArgumentParser does, written out
-    so that --help and a mistyped flag answer without importing transformers (about 1 s)."""
+    so that --help and a mistyped flag answer without importing transformers."""
     if typing.get_origin(hint) is typing.Union:  # Optional[X]
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

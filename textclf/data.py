@@ -355,7 +355,7 @@ def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] =
     labels = task.parse_labels(table["label"][:], path, table["row"][:])
     names = names or task.label_names(labels, path)
     encoded, feature = task.encode_labels(labels, names, path)
-    # As an Arrow array: `datasets` fingerprints the new column by pickling it, which takes seconds for a list.
+    # As an Arrow array: `datasets` fingerprints the new column by pickling it, which is slow for a long list.
     encoded = pa.array(encoded, datasets.Features({"labels": feature}).arrow_schema.field("labels").type)
     return table.remove_columns(["label", "row"]).add_column("labels", encoded, feature=feature), names
 
@@ -400,7 +400,7 @@ def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split
 
 def fingerprint(table: Dataset) -> str:
     """A digest of the examples themselves (labels and texts, in order), so a checkpoint can tell whether it sees
-    the same data. The texts are hashed a batch at a time in Arrow and C: per row in Python took seconds."""
+    the same data. The texts are hashed a batch at a time in Arrow and C, not row by row in Python."""
     digest = hashlib.sha256()
     columns = text_columns(table)
     for batch in table.select_columns(["labels", *columns]).with_format("arrow").iter(batch_size=65536):
@@ -414,7 +414,7 @@ def fingerprint(table: Dataset) -> str:
 
 def tokenizing_processes(rows: int) -> Optional[int]:
     """How many processes tokenize `rows` examples: one per core this process may use, each with enough rows to
-    pay for its start (about a second); None for this process alone."""
+    pay for its start; None for this process alone."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = min(cores, rows // ROWS_PER_TOKENIZING_PROCESS)
     return processes if processes > 1 else None
@@ -522,7 +522,7 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
 
 def seed_micro_batch(seed: int, step: int, micro_batch: int, device: torch.device) -> None:
     """Seed the generators one micro-batch draws from (micro_batch_seed): the CPU's, and the GPU's it runs on.
-    Not torch.manual_seed, which also seeds every other device type torch knows of (about 1 ms a call)."""
+    Not torch.manual_seed, which also seeds every other device type torch knows of, at each micro-batch."""
     value = micro_batch_seed(seed, step, micro_batch)
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
