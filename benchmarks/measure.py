@@ -64,7 +64,8 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
                     if p.pid not in rank_of:  # read until seen after exec: a fresh fork shows its parent's environment
                         rank = safe(lambda: p.environ().get("RANK"))
                         # Unknown (unreadable, or out of the tree) is not "no RANK": a rank's helper is no rank.
-                        parent_env = safe(lambda: p.parent().environ()) if safe(p.ppid) in pids else None
+                        parent = safe(p.parent) if safe(p.ppid) in pids else None  # None once the parent ended
+                        parent_env = safe(parent.environ) if parent is not None else None
                         if rank is not None and parent_env is not None and "RANK" not in parent_env:
                             rank_of[p.pid] = int(rank)
                 time.sleep(SAMPLE_EVERY_S)

@@ -4,6 +4,7 @@ Losses are compared from log.jsonl at every logged step (`--logging_steps` 1 and
 between two log lines carries the loss window), weights from the exported safetensors.
 """
 
+import fcntl
 import json
 import os
 import pickle
@@ -136,14 +137,27 @@ def saving(out):
     return lambda: any(name.startswith(".incomplete_step_") for name in os.listdir(out)) if out.exists() else False
 
 
-def kill(process):
+def kill(process, out):
     """SIGKILL to the launcher's group, which does not hold the ranks (torchrun starts each in a session of
     its own): they die with their launcher all the same (errors.die_with_launcher), or they would train
-    on into the folder that the next run resumes from."""
+    on into the folder that the next run resumes from. Then wait, as a user would be told to, until the
+    killed run has let go of `out`: a rank's main thread shows as a zombie while its other threads are
+    still ending, and the lock is released with the last of them."""
     ranks = psutil.Process(process.pid).children(recursive=True)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     wait_for(lambda: not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], None, 120)
+    wait_for(lambda: lock_is_free(out), None, 120)
+
+
+def lock_is_free(out) -> bool:
+    with open(out / ".lock") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return True
 
 
 @pytest.mark.slow
@@ -154,7 +168,7 @@ def test_sigkill_at_any_moment_then_resume_latest_finishes_the_same_run(tmp_path
     process = start_until_a_checkpoint(run, out)
     if moment == "random-later":
         time.sleep(random.Random(os.getpid()).uniform(0.5, 4.0))
-    kill(process)
+    kill(process, out)
     train([*run, "--output_dir", out, "--resume", "latest"], config_file=CPU_YAML)
     assert_same_run(full, out, 0)
 
@@ -166,7 +180,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp
     process = start_until_a_checkpoint(run, out)
     for attempt in range(5):  # a save takes milliseconds: a kill may land just after one; try again
         wait_for(saving(out), process)
-        kill(process)
+        kill(process, out)
         if saving(out)():
             break
         process = start([*run, "--resume", "latest"], out)

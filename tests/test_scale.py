@@ -118,14 +118,14 @@ def test_load_data_reads_the_same_examples_as_before(tmp_path, reviews_csv):
 @pytest.mark.slow
 def test_under_two_processes_rank_0_shows_the_data_stages_and_the_other_says_it_waits(tmp_path, reviews_csv):
     result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", tmp_path / "cache", "--max_steps", "1",
-                           "--output_dir", tmp_path / "run"], env={"TEXTCLF_WAIT_NOTE_S": "0.1"})
+                           "--output_dir", tmp_path / "run"])
     for stage, lines in (("data: read", 1), ("data: labels and split", 1), ("data: learnt a tokenizer", 1),
                          ("data: tokenized", 2)):  # the training and the evaluation examples
         assert result.stdout.count(stage) == lines, stage
     assert result.stdout.count("process 1: waiting for the local main process") == 1
-    # Rank 0 takes longer than the note's time here: the other says again what it waits for.
-    assert re.search(r"process 1: still waiting for the local main process to prepare the tokenizer and tokenize "
-                     r"\d+ \+ \d+ examples \(\d+ s so far\)", result.stdout)
+    # How often it says so again depends on how long rank 0 takes: test_a_waiting_process_says_what_it_waits_for...
+    assert re.search(r"process 1: waiting for the local main process to prepare the tokenizer and tokenize "
+                     r"\d+ \+ \d+ examples", result.stdout)
 
 
 @pytest.mark.slow
