@@ -114,12 +114,13 @@ def main(cfg: TrainConfig) -> None:
         accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
+
+    # From here on the run writes to output_dir (a universal checkpoint's conversion first), which it holds until
+    # it ends: one run at a time.
+    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume_from)
     if resume_from:
         checkpoint.load_state(accelerator, optimizer, resume_from, cfg.output_dir, universal)
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
-
-    # From here on the run writes to output_dir, which it holds until it ends: one run at a time.
-    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume_from)
     if accelerator.is_main_process:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})

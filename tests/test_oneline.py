@@ -22,11 +22,12 @@ from conftest import OFFLINE, REPO, TINY, assert_refused, free_port, run_train
 from textclf import check
 from textclf.checkpoint import complete, save_checkpoint
 from textclf.config import TrainConfig, parse_config
-from textclf.data import read_inputs, read_labelled
+from textclf.data import read_labelled
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
 from textclf.loading import load_trained
 from textclf.modeling import make_model, training_config
+from textclf.predict import read_inputs
 from textclf.runtime import check_deepspeed_config, make_accelerator
 from textclf.task import Task
 

@@ -370,6 +370,27 @@ def test_a_launch_that_contradicts_itself_answers_before_torch_is_imported(env, 
     assert not {"torch", "transformers", "datasets", "accelerate"} & imported
 
 
+def test_a_deepspeed_json_hard_coding_the_accumulation_is_refused_before_torch_is_imported(tmp_path):
+    """Accelerate would take the JSON's accumulation with a warning while train.py's schedule counts its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}))
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)}
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, **env})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (f"error: gradient_accumulation_steps: {ds} hard-codes 4, the training config has 1 "
+            '(--gradient_accumulation_steps); set it to "auto"') in result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
 def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_path):
     import json
     import subprocess

@@ -62,7 +62,7 @@ import torch
 from .checkpoint import accumulation_for, check_launch, choose_checkpoint, read_verified_position
 from .data import sample_key
 from .job import load_data
-from .launch import fewer_processes, zero_offload
+from .launch import deepspeed_conflicts, fewer_processes, zero_offload
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
@@ -240,27 +240,6 @@ def deepspeed_precision(launch: dict, ds: dict, ds_place: str, precision: str, s
                              f'"{dtype}": {{"enabled": {json.dumps(value)}}}; '
                              'set it to "auto" so that the launch decides')
     return enabled[0] if len(enabled) == 1 else precision
-
-
-def check_deepspeed_values(ds: dict, ds_place: str, cfg: TrainConfig, world: int, conflicts: list[str]) -> None:
-    """Values the training config owns must be "auto" in DeepSpeed's config, or agree with it."""
-    micro, accumulation = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    owned = {
-        "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
-        "train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
-        "train_batch_size": (micro * accumulation * world,
-                             f"--per_device_train_batch_size x --gradient_accumulation_steps x {world} processes"),
-        "gradient_clipping": (cfg.max_grad_norm, "--max_grad_norm"),
-    }
-    for key, (expected, flag) in owned.items():
-        value = ds.get(key, "auto")
-        if value != "auto" and value != expected:
-            conflicts.append(f"{key}: {ds_place} hard-codes {value}, the training config has {expected} ({flag}); "
-                             'set it to "auto" so that the training config decides')
-    for block, made_by in (("optimizer", "AdamW"), ("scheduler", f"the {cfg.lr_scheduler_type} schedule")):
-        if block in ds:
-            conflicts.append(f'{ds_place} has a "{block}" block, but train.py builds {made_by} from the training '
-                             "config: accelerate refuses both; remove the block")
 
 
 def check_zero(zero: dict, ds_place: str, conflicts: list[str]) -> None:
@@ -442,7 +421,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         ds, ds_place = read_deepspeed(launch, conflicts)
         if ds is not None:
             precision = deepspeed_precision(launch, ds, ds_place, precision, source, conflicts)
-            check_deepspeed_values(ds, ds_place, cfg, world, conflicts)
+            conflicts += deepspeed_conflicts(ds, ds_place, cfg, world)
             zero = ds.get("zero_optimization")
             if zero is None:
                 conflicts.append(f'{ds_place} has no "zero_optimization" section, which accelerate requires')

@@ -314,16 +314,6 @@ def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
     return kept
 
 
-def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None):
-    """(texts, pairs or None): every row's text(s), cleaned, in file order; empty texts kept, so that row i
-    answers row i."""
-    table = load_table(path, delimiter, encoding)
-    for role, column in task.text_columns.items():
-        require_text_column(table, path, role, column)
-    texts = {role: [clean_text(text) for text in table[column]] for role, column in task.text_columns.items()}
-    return texts["text"], texts.get("text_pair")
-
-
 def text_columns(table: Dataset) -> list[str]:
     """The text columns of a table that select_columns made: `text`, and `text_pair` for pairs."""
     return [column for column in ("text", "text_pair") if column in table.column_names]

@@ -12,8 +12,8 @@ the target's place: no empty tensor, it reloads, and it predicts what the traine
 import argparse
 from typing import Optional
 
-from .config import add_loading_options, require_trained_model
 from .errors import run_command
+from .tool_options import add_loading_options, require_trained_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:

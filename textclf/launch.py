@@ -2,6 +2,7 @@
 accelerate config) before torch, accelerate or the data are loaded: a launch that cannot run is refused
 at once. runtime.py builds the Accelerator for it; the check (textclf/check.py) reads the same rules."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,14 +33,49 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
 
 def check_launch_early(cfg) -> None:
     """Before the heavy imports and any data: refuse a launch that contradicts itself (a --mixed_precision other
-    than the launch's, an unreadable DeepSpeed JSON), and a resume that it cannot continue, giving the launch that
-    can (train.py checks the resume again once the Accelerator exists)."""
-    from .checkpoint import check_launch, find_resume_checkpoint, read_verified_position
+    than the launch's, a DeepSpeed JSON unreadable or hard-coding what the training config owns), and a resume
+    that it cannot continue, giving the launch that can (train.py checks the resume again once the Accelerator
+    exists)."""
+
+    from .checkpoint import accumulation_for, check_launch, find_resume_checkpoint, read_verified_position
 
     launch = this_launch(cfg.mixed_precision)
     checkpoint = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     if checkpoint:
-        check_launch(checkpoint, read_verified_position(checkpoint), launch)
+        position = read_verified_position(checkpoint)
+        check_launch(checkpoint, position, launch)
+        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accumulation_for(
+            checkpoint, position, launch["num_processes"]))
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if launch["zero_stage"] is not None and ds_file != "none":
+        conflicts = deepspeed_conflicts(read_deepspeed_file(ds_file), ds_file, cfg, launch["num_processes"])
+        if conflicts:
+            raise InputError(conflicts[0])
+
+
+def deepspeed_conflicts(ds: dict, ds_place: str, cfg, world: int) -> list[str]:
+    """What a DeepSpeed config sets that the training config owns: values not "auto" that disagree with it (accelerate
+    would take DeepSpeed's accumulation with a warning, and the schedule would count another), and an optimizer
+    or scheduler block."""
+    conflicts = []
+    micro, accumulation = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    owned = {
+        "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
+        "train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
+        "train_batch_size": (micro * accumulation * world,
+                             f"--per_device_train_batch_size x --gradient_accumulation_steps x {world} processes"),
+        "gradient_clipping": (cfg.max_grad_norm, "--max_grad_norm"),
+    }
+    for key, (expected, flag) in owned.items():
+        value = ds.get(key, "auto")
+        if value != "auto" and value != expected:
+            conflicts.append(f"{key}: {ds_place} hard-codes {value}, the training config has {expected} ({flag}); "
+                             'set it to "auto" so that the training config decides')
+    for block, made_by in (("optimizer", "AdamW"), ("scheduler", f"the {cfg.lr_scheduler_type} schedule")):
+        if block in ds:
+            conflicts.append(f'{ds_place} has a "{block}" block, but train.py builds {made_by} from the training '
+                             "config: accelerate refuses both; remove the block")
+    return conflicts
 
 
 def read_deepspeed_file(path: str) -> dict:

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position, verify_checkpoint
-from .config import require_trained_model
 from .errors import InputError
 from .model_folder import TRAINING, load_folder, load_tokenizer, weight_files
 from .modeling import lora_settings, make_model, needs_remote_code
+from .tool_options import require_trained_model
 
 
 def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False):

@@ -19,8 +19,9 @@ import json
 import os
 from typing import Optional
 
-from .config import TrainConfig, add_loading_options, add_task_options, require_trained_model
+from .config import TrainConfig
 from .errors import InputError, die_with_launcher, run_command
+from .tool_options import add_loading_options, add_task_options, require_trained_model
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
 
@@ -56,10 +57,20 @@ import torch
 from accelerate import Accelerator
 from transformers.utils import logging as transformers_logging
 
-from .data import read_inputs
+from .data import clean_text, load_table, require_text_column
 from .loading import load_trained, read_training
 from .model_folder import predict_logits
 from .task import Task
+
+
+def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None):
+    """(texts, pairs or None): every row's text(s), cleaned, in file order; empty texts kept, so that row i
+    answers row i."""
+    table = load_table(path, delimiter, encoding)
+    for role, column in task.text_columns.items():
+        require_text_column(table, path, role, column)
+    texts = {role: [clean_text(text) for text in table[column]] for role, column in task.text_columns.items()}
+    return texts["text"], texts.get("text_pair")
 
 
 def inference_accelerator() -> Accelerator:

@@ -16,8 +16,9 @@ import os
 import sys
 from typing import Optional
 
-from .config import TrainConfig, add_loading_options, add_task_options, require_trained_model
+from .config import TrainConfig
 from .errors import InputError, die_with_launcher, run_command
+from .tool_options import add_loading_options, add_task_options, require_trained_model
 
 REPORT = "report.json"
 
