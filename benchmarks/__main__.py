@@ -31,7 +31,6 @@ memory per strategy), and DIR/runs/<row>/ (each run's log.jsonl and console outp
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +51,7 @@ from .measure import (
     median_run,
     prepare_job,
     run_row,
+    stop_on_signals,
     warm_deepspeed_ops,
 )
 from .plan import OFFLINE, REPO, plan_jobs, plan_rows, rounds_dirs
@@ -70,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running row is stopped too
+    stop_on_signals()
     os.environ.update({k: v for k, v in OFFLINE.items() if k not in os.environ})
     out_dir = Path(args.output_dir).resolve()
     data = str(Path(args.data).resolve()) if args.data != DEFAULT_DATA else args.data

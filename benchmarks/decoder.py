@@ -25,7 +25,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from .measure import stop_tree
+from .measure import exit_if_stopped, stop_on_signals, stop_tree
 from .plan import OFFLINE, REPO, free_port
 
 sys.path.insert(0, str(REPO / "tests"))  # the test suite's family builders: a Qwen2-shaped model and tokenizer
@@ -90,9 +89,13 @@ def measure(yaml_name: str, data: Path, model: Path, output_dir: Path) -> dict:
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while proc.poll() is None:
+                exit_if_stopped()
                 for child in psutil.Process(proc.pid).children(recursive=True):
                     try:
-                        environ, parent_environ = child.environ(), child.parent().environ()
+                        parent = child.parent()
+                        if parent is None:  # it ended between the two calls
+                            continue
+                        environ, parent_environ = child.environ(), parent.environ()
                         if child.pid not in ranks and "RANK" in environ and "RANK" not in parent_environ:
                             ranks[child.pid] = int(environ["RANK"])
                             # Should memory run out after all, the kernel ends a rank, not someone else's process.
@@ -141,7 +144,7 @@ def predict(yaml_name: str, args: list[str]) -> str:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running launch is stopped too
+    stop_on_signals()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=24,

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,26 @@ SAMPLE_EVERY_S = 0.2
 
 # --- running one row: wall time, the memory of each rank, its figures from log.jsonl ----------------------
 
+stop_signals = []  # SIGTERM or SIGINT received: the benchmark stops the running row and ends
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (a scheduler, `timeout`) and SIGINT (Ctrl-C) unwind the benchmark, so that the running row is stopped
+    too (run_sampled's `finally`). The exit the handler raises is lost where the signal lands inside a finalizer
+    (Python ignores exceptions there), so each row and each sample also looks at what was received (exit_if_stopped)."""
+    def stop(signum, _frame):
+        stop_signals.append(signum)
+        sys.exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+
+
+def exit_if_stopped() -> None:
+    if stop_signals:
+        sys.exit(128 + stop_signals[0])
+
+
 def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
     """Run `cmd`, sampling the resident memory of every rank (and its GPU memory) until it exits.
 
@@ -52,6 +73,7 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
         root = psutil.Process(proc.pid)
         try:
             while proc.poll() is None and time.time() - launched_at < timeout_s:
+                exit_if_stopped()
                 gpu_memory = gpu_memory_by_pid() if torch.cuda.is_available() else {}
                 tree = [root, *safe(root.children, recursive=True, default=[])]
                 pids = {p.pid for p in tree}
@@ -145,6 +167,7 @@ def read_log(log_path: Path, launched_at: float, global_batch: int, warmup_steps
 
 def run_row(row: dict, job: BenchJob, files: tuple[str, str], shape: dict, runs_dir: Path) -> dict:
     """Run one row and turn its measurements into the row's figures."""
+    exit_if_stopped()
     output_dir = runs_dir / row["name"]
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
