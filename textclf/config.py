@@ -46,8 +46,8 @@ def default_learning_rate(model: str, lora: bool) -> float:
 
 @dataclass
 class TrainConfig:
-    """Each field's docstring is its --help text; {KINDS}, {DEFAULT_LEARNING_RATES} and {main_metrics} in it
-    are filled in from the tables they name (field_helps)."""
+    """One field per flag. The string under each is its --help (read by field_helps), where {KINDS} and
+    {DEFAULT_LEARNING_RATES} stand for those tables written out, and {main_metrics} for the kinds' main metrics."""
 
     # --- model ---
     model: str = "scratch-tiny"
@@ -367,8 +367,8 @@ def to_bool(text: str) -> bool:
 
 
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:
-    """Each field's help: the string under it in the class's source (read as litgpt's configs are), on one line,
-    with the tables it names in braces filled in. A field without one stops --help and every run."""
+    """Each field's help: the string under it in the class's source (the convention of litgpt's configs), on one
+    line, with the tables named in braces written out. A field without one stops --help and every run."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {node.target.id: doc.value.value for node, doc in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
             and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
