@@ -1,12 +1,13 @@
 """The typed config: defaults < checkpoint < YAML recipe < command line, every bad value refused, --help."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
-from textclf.config import field_names, parse_config
+from textclf.config import field_helps, field_names, parse_config
 from textclf.errors import InputError
 
 
@@ -109,6 +110,25 @@ def test_an_unknown_recipe_key_gets_a_suggestion_too(tmp_path):
 
 
 # --- --help, and every flag the documentation names ---
+
+def test_every_field_is_documented_by_the_docstring_under_it():
+    from textclf.task import KINDS
+
+    helps = field_helps()
+    assert list(helps) == field_names() and all(helps.values())
+    assert all(f"{kind}: " in helps["task"] for kind in KINDS) and "{" not in "".join(helps.values())  # filled in
+    assert helps["delimiter"].startswith("Field delimiter of a delimited text file (e.g. '\\t', ';', '|'); default")
+
+    @dataclasses.dataclass
+    class Fork:
+        documented: int = 1
+        """Its help."""
+        undocumented: int = 2
+        also_undocumented: list[str] = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match="Fork field.s. undocumented, also_undocumented have no docstring"):
+        field_helps(Fork)
+
 
 @pytest.fixture(scope="module")
 def help_text():

