@@ -249,5 +249,5 @@ def test_training_imports_none_of_the_commands():
     core = core_modules()
     assert {"textclf.modeling", "textclf.model_folder", "textclf.data", "textclf.checkpoint"} <= core
     commands = {"textclf.export", "textclf.predict", "textclf.check", "textclf.report"}
-    only_theirs = {"textclf.loading", "textclf.baseline", "textclf.theory"}
+    only_theirs = {"textclf.loading", "textclf.tool_options", "textclf.baseline", "textclf.theory"}
     assert not core & (commands | only_theirs)
