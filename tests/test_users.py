@@ -6,6 +6,7 @@ import re
 import warnings
 
 import pytest
+import torch
 
 from textclf.data import load_splits
 from textclf.errors import InputError
@@ -109,15 +110,15 @@ def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
 
 
 def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
-    from textclf import runtime
+    from textclf import tracking
 
-    monkeypatch.setattr(runtime, "get_available_trackers", lambda: ["tensorboard"])
+    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard"])
     with pytest.raises(InputError, match="--report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "
                                          ".*mlflow"):
-        runtime.check_trackers(["tensorbord"])
+        tracking.check_trackers(["tensorbord"])
     with pytest.raises(InputError, match="--report_to tensorboard mlflow, but mlflow is not installed; "
                                          "pip install mlflow"):
-        runtime.check_trackers(["tensorboard", "mlflow"])
+        tracking.check_trackers(["tensorboard", "mlflow"])
 
 
 @pytest.fixture
@@ -336,6 +337,7 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names
     ("-m textclf.predict --model nowhere --text 好", 2, "error: model not found: nowhere"),
     ("-m textclf.report --model nowhere --file a.csv --output_dir r", 2, "error: model not found: nowhere"),
     ("-m textclf.export nowhere exported", 2, "error: model not found: nowhere"),
+    ("-m textclf.check --config_file nowhere.yaml", 2, "error: accelerate config not found: nowhere.yaml"),
 ])
 def test_help_and_command_line_errors_answer_before_torch_is_imported(command, status, said):
     """-X importtime lists every module imported: the answer must come before torch, datasets and accelerate."""
@@ -368,6 +370,27 @@ def test_a_launch_that_contradicts_itself_answers_before_torch_is_imported(env, 
     assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "transformers", "datasets", "accelerate"} & imported
+
+
+@pytest.mark.parametrize("args, said", [
+    ("--report_to tensorbord", "error: --report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "),
+    pytest.param("--mixed_precision fp16", "error: mixed_precision fp16 needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs fp16")),
+])
+def test_what_the_machine_lacks_is_refused_before_transformers_or_the_data(tmp_path, args, said):
+    """A tracker or a GPU needs torch and accelerate to be known (about a second), not the rest."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", *args.split(), "--output_dir",
+                             str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    said_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(said_lines) == 1 and said_lines[0].startswith(said), result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"transformers", "datasets", "deepspeed"} & imported
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_deepspeed_json_hard_coding_the_accumulation_is_refused_before_torch_is_imported(tmp_path):

@@ -50,6 +50,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
         args, training_args = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise InputError(str(e)) from None
+    if args.config_file is not None and not os.path.isfile(args.config_file):
+        raise InputError(f"accelerate config not found: {args.config_file}")
     return args, parse_config(training_args)
 
 
@@ -101,9 +103,7 @@ def read_launch(args: argparse.Namespace) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    if path is not None:
-        if not os.path.isfile(path):
-            raise InputError(f"accelerate config not found: {path}")
+    if path is not None:  # one that --config_file names exists (parse_args)
         try:
             yaml_config = load_config_from_file(path)
         except (yaml.YAMLError, ValueError, AttributeError) as e:  # syntax; an unknown key or value; not a mapping

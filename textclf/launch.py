@@ -35,7 +35,8 @@ def check_launch_early(cfg) -> None:
     """Before the heavy imports and any data: refuse a launch that contradicts itself (a --mixed_precision other
     than the launch's, a DeepSpeed JSON unreadable or hard-coding what the training config owns), and a resume
     that it cannot continue, giving the launch that can (train.py checks the resume again once the Accelerator
-    exists)."""
+    exists). Last, with torch and accelerate loaded (a second) but not yet transformers or the data, what this
+    machine lacks: a CUDA GPU for fp16, a tracker asked for."""
 
     from .checkpoint import accumulation_for, check_launch, find_resume_checkpoint, read_verified_position
 
@@ -51,6 +52,14 @@ def check_launch_early(cfg) -> None:
         conflicts = deepspeed_conflicts(read_deepspeed_file(ds_file), ds_file, cfg, launch["num_processes"])
         if conflicts:
             raise InputError(conflicts[0])
+    import torch
+
+    from .tracking import check_trackers
+
+    if launch["mixed_precision"] == "fp16" and not torch.cuda.is_available():
+        raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); "
+                         "use bf16 or no on this machine")
+    check_trackers(cfg.report_to)
 
 
 def deepspeed_conflicts(ds: dict, ds_place: str, cfg, world: int) -> list[str]:

@@ -2,7 +2,6 @@
 
 import contextlib
 import copy
-import importlib
 import io
 import json
 import logging
@@ -17,13 +16,12 @@ from contextlib import contextmanager
 import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-from accelerate.utils import DynamoBackend, LoggerType
+from accelerate.utils import DynamoBackend
 
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, verbose
-from .launch import read_deepspeed_file, resolve_precision, zero_offload
+from .launch import read_deepspeed_file, zero_offload
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower
 # (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
@@ -41,11 +39,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     """
     has_cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    precision = resolve_precision(cfg.mixed_precision)
-    if precision == "fp16" and not has_cuda:
-        raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); "
-                         "use bf16 or no on this machine")
-    check_trackers(cfg.report_to)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if deepspeed and ds_file != "none":  # before anything is built: DeepSpeed itself reads it only at prepare()
@@ -108,37 +101,6 @@ def check_deepspeed_config(config: dict, place: str) -> None:
         raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
     except (ValueError, TypeError, AssertionError, KeyError) as e:
         raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
-
-
-def check_trackers(report_to: list[str]) -> None:
-    """Stop now, before anything is written, if a tracker asked for is unknown or cannot start.
-
-    Accelerate drops a tracker whose package is missing without a word (a debug log), its is_*_available
-    find a package without importing it, and wandb without a login fails only in `init_trackers`, after
-    run.json is written.
-    """
-    asked = " ".join(report_to)
-    available = [str(name) for name in get_available_trackers()]  # accelerate's is_<tracker>_available
-    for name in available if report_to == ["all"] else report_to:
-        if name == "none":
-            continue
-        if name not in LOGGER_TYPE_TO_CLASS:
-            raise InputError(f"--report_to {asked}: unknown tracker '{name}'; accelerate knows "
-                             f"{', '.join(LOGGER_TYPE_TO_CLASS)} (or pass all or none)")
-        if name not in map(str, LoggerType):
-            continue  # one registered by the user's code, which imports it
-        if name not in available:
-            raise InputError(f"--report_to {asked}, but {name} is not installed; pip install {name}, or leave it "
-                             "out of --report_to")
-        try:  # what accelerate's tracker imports when it starts
-            package = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
-        except ImportError as e:
-            raise InputError(f"--report_to {asked}, but {name} cannot be imported ({e}); pip install {name}, or "
-                             "leave it out of --report_to") from None
-        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
-        if name == "wandb" and not offline and not package.login(verify=False, prompt=False):
-            raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
-                             "`wandb login`); log in, set WANDB_MODE=offline, or leave it out of --report_to")
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:

@@ -1,5 +1,6 @@
 """Where a run reports, all through `accelerator.log`: log.jsonl (the output contract) and the trackers."""
 
+import importlib
 import json
 import os
 import sys
@@ -8,8 +9,14 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker, get_available_trackers
-from accelerate.utils import gather_object
+from accelerate.tracking import (
+    LOGGER_TYPE_TO_CLASS,
+    GeneralTracker,
+    MLflowTracker,
+    TensorBoardTracker,
+    get_available_trackers,
+)
+from accelerate.utils import LoggerType, gather_object
 
 from .checkpoint import continue_advice
 from .errors import InputError, write_failed
@@ -42,6 +49,37 @@ class JsonLinesTracker(GeneralTracker):
                 f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         except OSError as e:
             raise write_failed("append to", self.tracker, e, continue_advice(self.output_dir)) from None
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Stop now, before anything is written, if a tracker asked for is unknown or cannot start.
+
+    Accelerate drops a tracker whose package is missing without a word (a debug log), its is_*_available
+    find a package without importing it, and wandb without a login fails only in `init_trackers`, after
+    run.json is written.
+    """
+    asked = " ".join(report_to)
+    available = [str(name) for name in get_available_trackers()]  # accelerate's is_<tracker>_available
+    for name in available if report_to == ["all"] else report_to:
+        if name == "none":
+            continue
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise InputError(f"--report_to {asked}: unknown tracker '{name}'; accelerate knows "
+                             f"{', '.join(LOGGER_TYPE_TO_CLASS)} (or pass all or none)")
+        if name not in map(str, LoggerType):
+            continue  # one registered by the user's code, which imports it
+        if name not in available:
+            raise InputError(f"--report_to {asked}, but {name} is not installed; pip install {name}, or leave it "
+                             "out of --report_to")
+        try:  # what accelerate's tracker imports when it starts
+            package = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
+        except ImportError as e:
+            raise InputError(f"--report_to {asked}, but {name} cannot be imported ({e}); pip install {name}, or "
+                             "leave it out of --report_to") from None
+        offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+        if name == "wandb" and not offline and not package.login(verify=False, prompt=False):
+            raise InputError(f"--report_to {asked}, but wandb has no login here (no WANDB_API_KEY, no "
+                             "`wandb login`); log in, set WANDB_MODE=offline, or leave it out of --report_to")
 
 
 def trackers(report_to: list[str], output_dir: str, project_name: Optional[str] = None,
