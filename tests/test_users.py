@@ -518,6 +518,28 @@ def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when
     assert bool(deprecated) == verbose
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backbone, tmp_path, capfd, monkeypatch,
+                                                                verbose):
+    """train.py and the export command say "exported" in one line; transformers would add a bar for writing the
+    weights and one for reading them back."""
+    from transformers.utils import logging as transformers_logging
+
+    from textclf.model_folder import save_verified
+    from textclf.modeling import make_model, training_config
+
+    if verbose:
+        monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
+    transformers_logging.enable_progress_bar()  # as in a fresh process
+    model, tokenizer = pretrained_backbone
+    built = make_model(training_config(model, tokenizer, {"num_labels": 2}, 32), model)
+    capfd.readouterr()
+    save_verified(built.eval(), tokenizer, str(tmp_path / "exported"))
+    out, err = capfd.readouterr()
+    assert ("Writing model shards" in out + err and "Loading weights" in out + err) == verbose, out + err
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
 def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
     import logging
 

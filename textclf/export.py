@@ -32,7 +32,6 @@ if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below.
     ARGS = run_command(parse_args)
 
-from transformers.utils import logging as transformers_logging
 
 from .loading import load_trained, read_training
 from .model_folder import refuse_existing, save_verified
@@ -50,7 +49,6 @@ def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrit
 
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
-    transformers_logging.disable_progress_bar()  # one line per export is enough
     export_checkpoint(args.source, args.target, merge=args.merge, overwrite=args.overwrite,
                       allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
     print(f"exported {args.source} to {args.target} (verified: weights complete, reloads, same predictions)")
