@@ -216,7 +216,9 @@ def main(cfg: TrainConfig) -> None:
                     accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "
                                       f"without improvement of {cfg.metric_for_best_model}")
                     total_steps = step
-            if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping:
+            # The last step is saved too, as the Trainer does: --resume latest or auto then finds the run finished.
+            if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping or (
+                    step == total_steps and cfg.save_strategy != "no"):
                 path = save(step, epoch, batch_in_epoch, metrics, window)
             if stopping:
                 progress.close()  # the bar's line ends first: the --resume line is one of its own

@@ -52,6 +52,24 @@ def args(reviews_csv, cache_dir):
 
 
 @pytest.mark.slow
+def test_a_finished_run_is_checkpointed_at_its_end_and_resuming_it_says_so(tmp_path, args):
+    """As the Trainer does, the last step is saved whatever --save_steps: `--resume latest` (or a requeued job's
+    `--resume auto`) on a finished run trains nothing, and a fresh start into its folder is refused."""
+    out = tmp_path / "run"
+    run = [*args, "--max_steps", 3, "--save_steps", 2, "--output_dir", out]
+    train(run)
+    assert sorted(path.name for path in out.glob("step_*")) == ["step_2", "step_3"]
+    finished = weights(out)
+    for resume in ("latest", "auto"):
+        again = train([*run, "--resume", resume])
+        assert (f"{out / 'step_3'} is the end of this run (step 3): nothing left to train; evaluating and exporting "
+                "it again. To train longer, pass a larger --max_steps or --num_train_epochs") in again.stdout
+        assert max(losses(out)) == 3 and all(weights(out)[name].equal(finished[name]) for name in finished)
+    fresh = train(run, check=False)
+    assert fresh.returncode == 2 and f"{out} already holds checkpoints (newest {out / 'step_3'})" in fresh.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("logging_steps", [1, 5])
 def test_one_process_resume_is_bitwise_exact(tmp_path, args, logging_steps):
     run = [*args, "--max_steps", 30, "--save_steps", 7, "--logging_steps", logging_steps]

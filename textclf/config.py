@@ -170,7 +170,7 @@ class TrainConfig:
     eval_steps: Optional[int] = None
     """Evaluate every this many optimizer steps (eval_strategy 'steps'; default there: logging_steps)."""
     save_strategy: Literal["no", "steps", "epoch"] = "steps"
-    """When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'."""
+    """When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'; but for 'no', the last step is saved too."""
     save_steps: Optional[int] = 500
     """Checkpoint (step_<N>/) every this many optimizer steps."""
     save_total_limit: Optional[int] = None
