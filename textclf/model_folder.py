@@ -263,7 +263,7 @@ def predict_logits(model, tokenizer, texts: list[str], pairs: Optional[list[str]
         model.to(accelerator.device)
     device = next(model.parameters()).device
     logits = torch.empty(len(texts), model.config.num_labels)
-    show = progress and (accelerator is None or accelerator.is_local_main_process)
+    show = progress and len(loader) > 1 and (accelerator is None or accelerator.is_local_main_process)
     model.eval()
     with torch.no_grad():
         for batch in tqdm(loader, desc="predict", unit="batch", disable=not show):

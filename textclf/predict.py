@@ -19,7 +19,7 @@ import json
 import os
 from typing import Optional
 
-from .config import TrainConfig
+from .config import TrainConfig, require_data
 from .errors import InputError, die_with_launcher, run_command
 from .tool_options import add_loading_options, add_task_options, require_trained_model
 
@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.output and not args.output.endswith(OUTPUT_FORMATS):
         raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
     require_trained_model(args.model)
+    if args.file:
+        require_data(args.file)
     return args
 
 
@@ -129,7 +131,7 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
         rows = task.prediction_rows(texts, pairs, logits, label_names(model))
         if args.output:
             write_rows(rows, args.output)
-            accelerator.print(f"wrote {len(texts)} predictions to {args.output}")
+            accelerator.print(f"wrote {len(texts)} prediction{'s' * (len(texts) != 1)} to {args.output}")
         else:
             for row in rows:
                 print(task.terminal_line(row))

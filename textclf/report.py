@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-from .config import TrainConfig
+from .config import TrainConfig, require_data
 from .errors import InputError, die_with_launcher, run_command
 from .tool_options import add_loading_options, add_task_options, require_trained_model
 
@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_loading_options(parser)
     args = parser.parse_args(argv)
     require_trained_model(args.model)
+    for path in (args.file, args.train_data):
+        if path:
+            require_data(path)
     return args
 
 
