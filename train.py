@@ -163,7 +163,8 @@ def main(cfg: TrainConfig) -> None:
     start_epoch, skip = position["epoch"], position["batch_in_epoch"]
     if skip >= batches_per_epoch:  # the checkpoint closed its epoch
         start_epoch, skip = start_epoch + 1, 0
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    progress = tqdm(total=total_steps, initial=step, desc="train",
+                    disable=not accelerator.is_local_main_process or step >= total_steps)
     # The loss window is part of a checkpoint: the first line after a resume averages what it would have.
     window = tracking.Window(position["loss_window"][accelerator.process_index] if resume_from else None)
     metrics = {}
