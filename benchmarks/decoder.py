@@ -44,7 +44,7 @@ QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                     rms_norm_eps=1e-6, tie_word_embeddings=True)
 TRAINING = ["--max_length", "64", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "8",
-            "--max_steps", "2", "--logging_steps", "1", "--save_steps", "1000", "--report_to", "none"]
+            "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none"]
 STOP_BELOW = 2 ** 29  # bytes of available memory
 
 

@@ -125,7 +125,7 @@ def train_args(job: BenchJob, files: tuple[str, str], processes: int, output_dir
     """train.py's options for this job (files: its training and evaluation data); the baselines take the same."""
     return ["--model", job.model, "--data", files[0], "--eval_data", files[1], "--max_length", str(job.max_length),
             "--per_device_train_batch_size", str(job.global_batch // processes), "--max_steps", str(job.steps),
-            "--seed", str(job.seed), "--logging_steps", "1", "--save_steps", str(job.steps + 1),  # no checkpoint
+            "--seed", str(job.seed), "--logging_steps", "1", "--save_strategy", "no",
             "--report_to", "none", "--output_dir", str(output_dir), "--overwrite_output_dir"]
 
 
