@@ -404,7 +404,7 @@ def test_a_full_disk_under_accelerate_launch_is_one_line_from_rank_0_and_every_r
 def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(tmp_path, args, four_step_run):
     # 1 MiB: the run's logs fit, the exported weights (2.4 MiB) do not.
     with full_disk(tmp_path / "disk", 1 * MiB, four_step_run / "step_2") as (out, limit):
-        result = run_limited(train_command([*args, "--max_steps", 4, "--save_steps", 10, "--output_dir", out,
+        result = run_limited(train_command([*args, "--max_steps", 4, "--save_strategy", "no", "--output_dir", out,
                                             "--resume", "latest"]), limit)
         assert_refused(result, f"cannot export the model to {out / 'model'}")
         assert "--resume latest" in error_lines(result.stderr)[0]
