@@ -459,7 +459,7 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
     config = accelerate_home / "accelerate" / "default_config.yaml"
     out = tmp_path / "out"
     run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out, "--max_steps", 1,
-               "--save_steps", 100], config_file=config, extra_launch_args=["--num_processes", str(processes)])
+               "--save_strategy", "no"], config_file=config, extra_launch_args=["--num_processes", str(processes)])
     ran = json.loads((out / "run.json").read_text())
     status, stdout, err = run_check(capsys, "--config_file", config, "--num_processes", processes, *TINY)
     shown = report(stdout)

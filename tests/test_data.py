@@ -109,7 +109,7 @@ UNREADABLE = {
     "unknown suffix": ("data.txt", b"label,review\n", {}, "cannot read {path}: unknown file type '.txt'"),
     "not parquet": ("data.parquet", b"label,review\n", {}, "cannot read {path} as parquet: "),
     "empty": ("empty.jsonl", b"", {},
-              "data set {path} is empty: no rows; give a file with a header and at least one row"),
+              "data set {path} is empty: no rows; give at least one row (in delimited text, a header and a row)"),
 }
 
 

@@ -668,7 +668,8 @@ def test_slurm_script_forwards_the_time_limit_s_sigterm_and_requeues_the_same_co
     stand_ins = {
         "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',  # drop srun's options, run the task
         "scontrol": f'[ "$1" = show ] && echo node1 || echo "$@" >> {tmp_path}/scontrol',
-        "accelerate": f'echo "$@" > {tmp_path}/launch; trap "echo saved > {tmp_path}/saved; exit 0" TERM; '
+        # The trap first: the test signals once the launch line is written.
+        "accelerate": f'trap "echo saved > {tmp_path}/saved; exit 0" TERM; echo "$@" > {tmp_path}/launch; '
                       'while :; do sleep 0.05; done',
     }
     for name, body in stand_ins.items():

@@ -118,7 +118,7 @@ def test_the_default_job_resumes_bitwise_exports_and_loads_in_a_pipeline(tmp_pat
 def test_ten_classes_named_in_chinese(tmp_path, cache_dir, aspect_files):
     out = tmp_path / "aspects"
     run_train([*TINY, "--data", aspect_files["train"], "--label_column", "aspect",
-               "--cache_dir", cache_dir, "--output_dir", out, "--max_steps", 3, "--save_steps", 100,
+               "--cache_dir", cache_dir, "--output_dir", out, "--max_steps", 3, "--save_strategy", "no",
                "--per_device_eval_batch_size", 256])
     model = AutoModelForSequenceClassification.from_pretrained(out / "model")
     names = list(model.config.id2label.values())
@@ -138,7 +138,7 @@ def test_a_local_model_folder_loads_through_from_pretrained(tmp_path, reviews_cs
     tokenizer.save_pretrained(source)
     out = tmp_path / "out"
     run_train(["--model", source, "--data", reviews_csv, "--output_dir", out, "--max_steps", 2,
-               "--max_length", 32, "--report_to", "none", "--save_steps", 100])
+               "--max_length", 32, "--report_to", "none", "--save_strategy", "no"])
     model = AutoModelForSequenceClassification.from_pretrained(out / "model")
     assert model.config.hidden_size == 32 and model.config.id2label == {0: "negative", 1: "positive"}
 

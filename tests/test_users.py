@@ -274,7 +274,7 @@ def test_train_py_warns_once_when_accelerate_launch_starts_one_of_two_processes(
     assert len(warnings) == 1 and "distributed_type NO starts a single process, not the 2 asked for" in warnings[0]
     # accelerate's simple launcher reports the exit status 2 as its own failure (exit status 1)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1 and "label" in errors[0] and str(unlabelled) in errors[0]
+    assert result.returncode != 0 and len(errors) == 1 and f"{unlabelled} has no label column 'label'" in errors[0]
 
 
 # --- answers in seconds ------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names
     ("-m textclf.report --model nowhere --file a.csv --output_dir r", 2, "error: model not found: nowhere"),
     ("-m textclf.export nowhere exported", 2, "error: model not found: nowhere"),
     ("-m textclf.check --config_file nowhere.yaml", 2, "error: accelerate config not found: nowhere.yaml"),
-    ("train.py --data nowhere.csv", 2, "error: data not found: nowhere.csv (expected CSV, TSV"),
+    ("train.py --data nowhere.csv", 2, "error: data not found: nowhere.csv; check the path (expected CSV, TSV"),
     ("train.py --eval_data nowhere.jsonl", 2, "error: data not found: nowhere.jsonl"),
     ("train.py --model pyproject.toml", 2, "error: --model pyproject.toml is a file: give the folder"),
     ("-m textclf.predict --model . --file nowhere.csv", 2, "error: data not found: nowhere.csv"),

@@ -51,7 +51,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     except argparse.ArgumentError as e:
         raise InputError(str(e)) from None
     if args.config_file is not None and not os.path.isfile(args.config_file):
-        raise InputError(f"accelerate config not found: {args.config_file}")
+        raise InputError(f"accelerate config not found: {args.config_file}; check the path, or leave out "
+                         "--config_file for accelerate's default config")
     return args, parse_config(training_args)
 
 

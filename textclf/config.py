@@ -174,7 +174,8 @@ class TrainConfig:
     eval_steps: Optional[int] = None
     """Evaluate every this many optimizer steps (eval_strategy 'steps'; default there: logging_steps)."""
     save_strategy: Literal["no", "steps", "epoch"] = "steps"
-    """When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'; but for 'no', the last step is saved too."""
+    """When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'; with 'steps' or 'epoch' the last step is saved
+    too (as the Trainer does)."""
     save_steps: Optional[int] = 500
     """Checkpoint (step_<N>/) every this many optimizer steps."""
     save_total_limit: Optional[int] = None
@@ -539,7 +540,7 @@ def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
 
 def require_local_model(model: str) -> None:
     """A --model that can only be a path (a hub id is `name` or `namespace/name`) must exist: transformers would
-    call it a malformed repo id."""
+    call it a malformed repo id. A file is not a model: transformers would try to read it as a config."""
     a_path = model.startswith(("./", "../", "/", "~")) or model.count("/") > 1 or "\\" in model
     if a_path and not os.path.exists(os.path.expanduser(model)):
         raise InputError(f"model not found: {model} is a path (a hub id is name or namespace/name) and nothing is "
@@ -553,4 +554,4 @@ def require_data(path: str) -> None:
     """A data file or folder given by the user must exist: said before the heavy imports (train.py, predict,
     report), in the words data.load_table would use after them."""
     if path != DEFAULT_DATA and not os.path.exists(path):
-        raise InputError(f"data not found: {path} (expected {DATA_FORMATS})")
+        raise InputError(f"data not found: {path}; check the path (expected {DATA_FORMATS})")

@@ -98,7 +98,8 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
             except PARSER_ERRORS as error:
                 raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
     if len(table) == 0:
-        raise InputError(f"data set {path} is empty: no rows; give a file with a header and at least one row")
+        raise InputError(f"data set {path} is empty: no rows; give at least one row (in delimited text, a header and "
+                         "a row)")
     return table
 
 
@@ -221,7 +222,7 @@ def parse_failure(path: str, builder: str, delimiter: Optional[str], encoding: s
     reasons = [str(e).strip().splitlines()[0] for e in causes if str(e).strip()]
     reason = reasons[-1] if reasons else type(causes[-1]).__name__
     if data_lines(path, encoding) <= (1 if builder == "csv" else 0):
-        return f"data set {path} is empty: no rows; give a file with a header and at least one row"
+        return f"data set {path} is empty: no rows; give at least one row (in delimited text, a header and a row)"
     if builder == "csv":
         fields = next((re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", r) for r in reasons
                        if "Expected" in r), None)

@@ -12,7 +12,7 @@ the target's place: no empty tensor, it reloads, and it predicts what the traine
 import argparse
 from typing import Optional
 
-from .errors import run_command
+from .errors import run_command, verbose
 from .tool_options import add_loading_options, require_trained_model
 
 
@@ -33,6 +33,8 @@ if __name__ == "__main__":
     ARGS = run_command(parse_args)
 
 
+from transformers.utils import logging as transformers_logging
+
 from .loading import load_trained, read_training
 from .model_folder import refuse_existing, save_verified
 
@@ -49,6 +51,8 @@ def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrit
 
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
+    if not verbose():  # transformers' bars while the source loads: the line below says it
+        transformers_logging.disable_progress_bar()
     export_checkpoint(args.source, args.target, merge=args.merge, overwrite=args.overwrite,
                       allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
     print(f"exported {args.source} to {args.target} (verified: weights complete, reloads, same predictions)")

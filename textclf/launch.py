@@ -1,6 +1,7 @@
 """What the launch asks for, read from what `accelerate launch` or torchrun set (the environment, the
 accelerate config) before torch, accelerate or the data are loaded: a launch that cannot run is refused
-at once. runtime.py builds the Accelerator for it; the check (textclf/check.py) reads the same rules."""
+at once (and what the machine lacks for it, with torch and accelerate loaded but not yet the rest).
+runtime.py builds the Accelerator for it; the check (textclf/check.py) reads the same rules."""
 
 import dataclasses
 import json
@@ -61,8 +62,9 @@ def check_launch_early(cfg) -> None:
     from .tracking import check_trackers
 
     if launch["mixed_precision"] == "fp16" and not torch.cuda.is_available():
-        raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); "
-                         "use bf16 or no on this machine")
+        raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); on this "
+                         "machine launch with bf16 or no (the launch line's or yaml's mixed_precision, or the "
+                         "DeepSpeed JSON's fp16.enabled)")
     check_trackers(cfg.report_to)
 
 

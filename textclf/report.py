@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-from .config import TrainConfig, require_data
+from .config import DEFAULT_DATA, TrainConfig, require_data
 from .errors import InputError, die_with_launcher, run_command
 from .tool_options import add_loading_options, add_task_options, require_trained_model
 
@@ -59,7 +59,7 @@ from transformers.utils import logging as transformers_logging
 
 from .baseline import baseline_predictions
 from .checkpoint import write_json
-from .data import DEFAULT_DATA, fingerprint, load_splits, read_labelled
+from .data import fingerprint, load_splits, read_labelled
 from .loading import load_trained, read_training
 from .predict import inference_accelerator, label_names, predict_logits, run_config
 from .task import Task
