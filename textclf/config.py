@@ -550,8 +550,9 @@ def require_local_model(model: str) -> None:
                          "weights, or a hub id")
 
 
-def require_data(path: str) -> None:
-    """A data file or folder given by the user must exist: said before the heavy imports (train.py, predict,
-    report), in the words data.load_table would use after them."""
-    if path != DEFAULT_DATA and not os.path.exists(path):
-        raise InputError(f"data not found: {path}; check the path (expected {DATA_FORMATS})")
+def require_data(*paths: Optional[str]) -> None:
+    """The data files or folders given by the user (None: not given) must exist: said before the heavy imports
+    (train.py, predict, report), in the words data.load_table would use after them."""
+    for path in paths:
+        if path is not None and path != DEFAULT_DATA and not os.path.exists(path):
+            raise InputError(f"data not found: {path}; check the path (expected {DATA_FORMATS})")

@@ -98,9 +98,12 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
             except PARSER_ERRORS as error:
                 raise InputError(parse_failure(path, builder, delimiter, readable, error)) from None
     if len(table) == 0:
-        raise InputError(f"data set {path} is empty: no rows; give at least one row (in delimited text, a header and "
-                         "a row)")
+        raise InputError(empty(path))
     return table
+
+
+def empty(path: str) -> str:
+    return f"data set {path} is empty: no rows; give at least one row (in delimited text, a header and a row)"
 
 
 # What reading a file that is not what its name says raises: the parsers' refusals (pandas', pyarrow's and json's are
@@ -222,7 +225,7 @@ def parse_failure(path: str, builder: str, delimiter: Optional[str], encoding: s
     reasons = [str(e).strip().splitlines()[0] for e in causes if str(e).strip()]
     reason = reasons[-1] if reasons else type(causes[-1]).__name__
     if data_lines(path, encoding) <= (1 if builder == "csv" else 0):
-        return f"data set {path} is empty: no rows; give at least one row (in delimited text, a header and a row)"
+        return empty(path)
     if builder == "csv":
         fields = next((re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", r) for r in reasons
                        if "Expected" in r), None)

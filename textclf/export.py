@@ -32,7 +32,6 @@ if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below.
     ARGS = run_command(parse_args)
 
-
 from transformers.utils import logging as transformers_logging
 
 from .loading import load_trained, read_training

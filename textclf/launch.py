@@ -42,9 +42,7 @@ def check_launch_early(cfg) -> None:
 
     from .checkpoint import accumulation_for, check_launch, find_resume_checkpoint, read_verified_position
 
-    for path in (cfg.data, cfg.eval_data):
-        if path:
-            require_data(path)
+    require_data(cfg.data, cfg.eval_data)
     launch = this_launch(cfg.mixed_precision)
     checkpoint = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     if checkpoint:

@@ -45,8 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.output and not args.output.endswith(OUTPUT_FORMATS):
         raise InputError(f"--output {args.output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
     require_trained_model(args.model)
-    if args.file:
-        require_data(args.file)
+    require_data(args.file)
     return args
 
 

@@ -41,9 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_loading_options(parser)
     args = parser.parse_args(argv)
     require_trained_model(args.model)
-    for path in (args.file, args.train_data):
-        if path:
-            require_data(path)
+    require_data(args.file, args.train_data)
     return args
 
 
