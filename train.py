@@ -28,7 +28,7 @@ import os
 import signal
 
 import torch
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -150,7 +150,7 @@ def main(cfg: TrainConfig) -> None:
 
     def save(step, epoch, batch_in_epoch, metrics, window):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
-                 "best": best, "loss_window": tracking.window_states(accelerator, window),
+                 "best": best, "loss_window": gather_object([window.state()]),
                  "config": cfg.to_dict() | {"gradient_accumulation_steps": asked_accumulation}}
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:

@@ -22,14 +22,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's textclf
 
-from textclf.runtime import DEEPSPEED_OPS, load_deepspeed_ops  # noqa: E402
+from textclf.runtime import load_deepspeed_ops  # noqa: E402
+
+# The ops the zoo loads, by builder name: who loads each, and whether a CUDA machine loads it too.
+OPS = {
+    "ShareMemCommBuilder": ("deepspeed.comm on a CPU (every zero*.yaml launch without CUDA)", False),
+    "CPUAdamBuilder": ("DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)", True),
+}
 
 
 def main() -> int:
     from torch.utils.cpp_extension import get_default_build_root
 
     print(f"torch extensions cache: {os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root()}")
-    for name, (user, _, on_cuda) in DEEPSPEED_OPS.items():
+    for name, (user, on_cuda) in OPS.items():
         if torch.cuda.is_available() and not on_cuda:
             continue
         seconds = load_deepspeed_ops([name])

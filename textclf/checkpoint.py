@@ -126,17 +126,16 @@ def checkpoint_folder(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"step_{step}")
 
 
+def step_folders(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every step_<N> folder in output_dir, oldest first."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted((int(match.group(1)), os.path.join(output_dir, name))
+                  for name in names if (match := STEP_DIR.match(name)))
+
+
 def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every complete checkpoint in output_dir, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = STEP_DIR.match(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isfile(os.path.join(path, POSITION)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+    return [(step, path) for step, path in step_folders(output_dir) if os.path.isfile(os.path.join(path, POSITION))]
 
 
 def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
@@ -172,10 +171,8 @@ def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -
 def without_position(output_dir: str, newer_than: int) -> list[str]:
     """The step_<N> folders above step `newer_than` that have no position.json, oldest first: a save never
     leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
-    found = [(int(match.group(1)), name) for name in os.listdir(output_dir) if (match := STEP_DIR.match(name))] \
-        if os.path.isdir(output_dir) else []
-    return [name for step, name in sorted(found)
-            if step > newer_than and not os.path.isfile(os.path.join(output_dir, name, POSITION))]
+    return [os.path.basename(path) for step, path in step_folders(output_dir)
+            if step > newer_than and not os.path.isfile(os.path.join(path, POSITION))]
 
 
 def continue_advice(output_dir: str, free_space: bool = True) -> str:
@@ -191,12 +188,6 @@ def continue_advice(output_dir: str, free_space: bool = True) -> str:
 LAUNCH_KEYS = ("zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
 
 
-def global_batch(position: dict) -> Optional[int]:
-    """The checkpoint's global batch; None for one made before the data order stopped depending on the number of
-    processes (its order cannot be replayed)."""
-    return position.get("global_batch_size")
-
-
 def processes(n) -> str:
     return f"{n} process{'es' * (n != 1)}"
 
@@ -205,7 +196,7 @@ def accumulation_for(checkpoint: str, position: dict, world_size: int) -> int:
     """The gradient accumulation that keeps the checkpoint's global batch on `world_size` processes, refusing
     in one line (with the numbers of processes that can) when none does. No torch: it runs before the launch's
     Accelerator is made, which takes the accumulation."""
-    total, micro = global_batch(position), position.get("per_device_train_batch_size")
+    total, micro = position.get("global_batch_size"), position.get("per_device_train_batch_size")
     if not (isinstance(total, int) and isinstance(micro, int) and micro > 0):
         raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
                          "depended on the number of processes; resume it with the textclf that made it, or start "
@@ -240,7 +231,7 @@ def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
     return (f"resuming {checkpoint}, made by {processes(made_on)} with gradient accumulation "
             f"{position.get('gradient_accumulation_steps')}, on {processes(this['world_size'])}: gradient "
             f"accumulation {accumulation_for(checkpoint, position, this['world_size'])} keeps its global batch of "
-            f"{global_batch(position)}")
+            f"{position['global_batch_size']}")
 
 
 def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int) -> dict:
@@ -771,7 +762,6 @@ def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],
     if scored:
         kept.add(max(scored)[2])  # ties go to the newer checkpoint
     if protect:
-        kept.add(os.path.abspath(protect))
         kept |= {path for _, path in found if os.path.abspath(path) == os.path.abspath(protect)}
     removed = [path for _, path in found if path not in kept]
     for path in removed:

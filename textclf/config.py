@@ -25,7 +25,7 @@ from typing import Literal, Optional
 import yaml
 
 from .errors import InputError
-from .task import KINDS, Task
+from .task import KINDS
 
 # Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task
 # with (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, appendix A.3:
@@ -275,7 +275,7 @@ class TrainConfig:
             raise InputError(f"threshold must be in (0, 1), got {self.threshold}")
         metric = self.metric_for_best_model or KINDS[self.task].main_metric
         self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
-        metrics = Task.from_config(self).metrics
+        metrics = [f"eval_{key}" for key, _, _ in KINDS[self.task].scores]
         if self.metric_for_best_model not in metrics:
             raise InputError(f"metric_for_best_model {self.metric_for_best_model} is not a score of task {self.task} "
                              f"(it has {', '.join(metrics)})")

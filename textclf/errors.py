@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 
 from safetensors import SafetensorError
 
@@ -55,6 +56,7 @@ def run_command(main):
 def exit_now(code: int) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()  # no interpreter teardown with gloo threads alive (runtime.exit_finished_run)
+        sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
@@ -68,12 +70,8 @@ def peer_ended(error: BaseException) -> bool:
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and isinstance(error, getattr(distributed, "DistError", ())):
         return True
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    in_collective = any(name.endswith(os.path.join("distributed", "distributed_c10d.py")) for name in frames)
+    in_collective = any(frame.f_code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py"))
+                        for frame, _ in traceback.walk_tb(error.__traceback__))
     # DDP's gradient all-reduce runs in the autograd engine, with no Python frame of c10d: gloo's words then.
     return in_collective or bool(re.search(r"Connection (closed|reset) by peer|gloo/transport", str(error)))
 

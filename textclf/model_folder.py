@@ -29,7 +29,7 @@ from transformers.utils import logging as transformers_logging
 from .checkpoint import write_json
 from .data import length_sorted_loader, tokenize
 from .errors import WRITE_ERRORS, InputError, verbose, write_failed
-from .modeling import load_refused, make_model
+from .modeling import load_refused, lora_settings, make_model
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -50,8 +50,8 @@ PROBE_TEXTS = [
 ]
 
 
-def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge: bool = False,
-                 training: Optional[dict] = None, trust_remote_code: bool = False) -> str:
+def export_model(accelerator: Accelerator, model, tokenizer, target: str, training: dict,
+                 trust_remote_code: bool = False) -> str:
     """Export the model being trained, with `training` (the run's config and data fingerprint) in TRAINING.
     Collective: every rank calls it (ZeRO-3 gathers the shards).
 
@@ -65,16 +65,11 @@ def export_model(accelerator: Accelerator, model, tokenizer, target: str, merge:
     """
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        from peft import PeftModel
-
-        trained, lora = accelerator.unwrap_model(model), None
-        if isinstance(trained, PeftModel):
-            adapter = trained.peft_config[trained.active_adapter]
-            lora = dict(r=adapter.r, alpha=adapter.lora_alpha, dropout=adapter.lora_dropout,
-                        target_modules=adapter.target_modules)
+        # Built as build_job built the trained model (its LoRA settings from the run's config).
         with transformers_without_zero3(accelerator):
-            copy = make_model(trained.config, state_dict, lora=lora, trust_remote_code=trust_remote_code)
-            save_verified(copy.eval(), tokenizer, target, merge=merge, overwrite=True, training=training,
+            copy = make_model(accelerator.unwrap_model(model).config, state_dict,
+                              lora=lora_settings(training["config"]), trust_remote_code=trust_remote_code)
+            save_verified(copy.eval(), tokenizer, target, overwrite=True, training=training,
                           trust_remote_code=trust_remote_code)
     accelerator.wait_for_everyone()
     return target

@@ -93,13 +93,6 @@ def load_refused(model: str, error: Exception, problem: str) -> InputError:
     return InputError(f"{problem}: {(str(error).splitlines() or [type(error).__name__])[0]}")
 
 
-def pickled_weights(folder: str) -> InputError:
-    """What torch.load's weights_only refusal (a pickle that holds more than tensors) says to the user."""
-    return InputError(f"cannot load a model from {folder}: its weights are a pickle that holds more than tensors, "
-                      "which could run code when loaded; save the model as safetensors where it came from "
-                      "(save_pretrained does by default)")
-
-
 def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length: int,
                   trust_remote_code: bool = False):
     """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from `texts` (strings or
@@ -216,7 +209,9 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
         except (OSError, ValueError, KeyError) as e:
             raise load_refused(weights, e, f"cannot load a model from {weights}") from None
         except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
-            raise pickled_weights(weights) from None
+            raise InputError(f"cannot load a model from {weights}: its weights are a pickle that holds more than "
+                             "tensors, which could run code when loaded; save the model as safetensors where it came "
+                             "from (save_pretrained does by default)") from None
         # from_pretrained fills missing weights with random ones and only warns: a trained model is refused.
         incomplete = info["missing_keys"] or info["mismatched_keys"]
         if complete and incomplete:

@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 
 import psutil
 import torch
@@ -20,7 +21,7 @@ from accelerate.utils import DynamoBackend
 
 from . import tracking
 from .config import TrainConfig
-from .errors import InputError, verbose
+from .errors import InputError, exit_now, verbose
 from .launch import read_deepspeed_file, zero_offload
 
 # torch.compile is refused rather than half supported: measured on a CPU it made training slower
@@ -105,15 +106,6 @@ def check_deepspeed_config(config: dict, place: str) -> None:
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
     """What ran: strategy, scale, precision and versions; logged at start and saved in run.json."""
-    import accelerate
-    import datasets
-    import transformers
-
-    try:
-        import deepspeed
-        deepspeed_version = deepspeed.__version__
-    except ImportError:
-        deepspeed_version = None
     micro = cfg.per_device_train_batch_size
     plugin = accelerator.state.deepspeed_plugin
     return {
@@ -126,15 +118,16 @@ def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
         "device": str(accelerator.device),
         "micro_batch_size": micro,
         "global_batch_size": micro * cfg.gradient_accumulation_steps * accelerator.num_processes,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "accelerate": accelerate.__version__,
-            "transformers": transformers.__version__,
-            "datasets": datasets.__version__,
-            "deepspeed": deepspeed_version,
-        },
+        "versions": {"python": platform.python_version(), **{name: installed_version(name) for name in
+                     ("torch", "accelerate", "transformers", "datasets", "deepspeed")}},
     }
+
+
+def installed_version(package: str):
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def exit_finished_run() -> None:
@@ -151,20 +144,12 @@ def exit_finished_run() -> None:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
+        exit_now(0)
 
 
 # DeepSpeed's C++ ops that launches compile at first use, by the names DeepSpeed's accelerator knows their
-# builders: who loads each, how long compiling took on this project's 2-core CPU machines when idle
-# (scripts/warm_deepspeed_ops.py), and whether a CUDA machine loads it too.
-DEEPSPEED_OPS = {
-    "ShareMemCommBuilder": ("deepspeed.comm on a CPU (every zero*.yaml launch without CUDA)", 45, False),
-    "CPUAdamBuilder": ("DeepSpeedCPUAdam, which accelerate swaps in for offload_optimizer (zero*_offload.yaml)",
-                       60, True),
-}
+# builders, and about how many seconds compiling takes on a 2-core CPU (said when a launch compiles one).
+COMPILE_SECONDS = {"ShareMemCommBuilder": 45, "CPUAdamBuilder": 60}
 # File systems that other machines may share: a build lock there may belong to a build on another machine.
 SHARED_FILE_SYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
                        "fuse.sshfs", "9p", "afs", "panfs", "wekafs"}
@@ -200,7 +185,7 @@ def load_deepspeed_ops(names: list[str]) -> dict[str, float]:
             release_stale_build_lock(build_dir)
             if compiling:
                 print(f"compiling DeepSpeed's {builder.name} op for this machine (first use only; it took "
-                      f"{DEEPSPEED_OPS[name][1]} s on a 2-core CPU; later launches load it from {build_dir})",
+                      f"{COMPILE_SECONDS[name]} s on a 2-core CPU; later launches load it from {build_dir})",
                       flush=True)
         elif compiling:
             while not os.path.exists(library):  # the local main process builds it; the launcher stops us if it fails

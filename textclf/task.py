@@ -93,11 +93,6 @@ class Task:
         """A batch's `labels` as the scores take them."""
         return labels
 
-    @property
-    def metrics(self) -> list[str]:
-        """The keys of this task's scores, as logged (eval_<key>)."""
-        return [f"eval_{key}" for key, _, _ in self.scores]
-
     def greater_is_better(self, metric: str) -> bool:
         """Whether a higher value of `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
         return {key: higher for key, _, higher in self.scores}[metric.removeprefix("eval_")]

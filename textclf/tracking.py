@@ -16,7 +16,7 @@ from accelerate.tracking import (
     TensorBoardTracker,
     get_available_trackers,
 )
-from accelerate.utils import LoggerType, gather_object
+from accelerate.utils import LoggerType
 
 from .checkpoint import continue_advice
 from .errors import InputError, write_failed
@@ -189,8 +189,3 @@ class Window:
         return {**({"loss": loss / processes} if self.losses else {}),
                 "samples_per_s": samples / seconds, "real_tokens_per_s": real / seconds,
                 "real_token_fraction": real / padded}
-
-
-def window_states(accelerator: Accelerator, window: Window) -> list[dict]:
-    """Every rank's window counts, in rank order (collective: every rank calls it)."""
-    return gather_object([window.state()])
