@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from textclf import cadence, checkpoint, tracking
+from textclf import cadence, checkpoint, errors, tracking
 from textclf.data import make_loaders, seed_micro_batch
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
@@ -128,7 +128,7 @@ def main(cfg: TrainConfig) -> None:
     tracking.start_trackers(accelerator, cfg.to_dict())
     # SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
     # the next logging step, then a clean stop; a second Ctrl-C stops at once, without one.
-    stop_requested = []  # the names of the signals received
+    stop_requested = errors.stop_signals  # the names of the signals received
 
     def request_stop(signum, _frame):
         stop_requested.append(signal.Signals(signum).name)

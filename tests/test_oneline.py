@@ -268,6 +268,17 @@ def test_a_rank_whose_collective_failed_after_another_ended_says_one_line(peer_g
     assert "Traceback" not in err
 
 
+def test_a_rank_the_launcher_stopped_during_the_failed_collective_ends_quietly_on_that_signal():
+    """Once rank 0 has failed, the launcher sends the other ranks SIGTERM. One that was waiting in a collective
+    meanwhile hands the signal to train.py's handler (a checkpoint at the next logging step), then meets the
+    collective's failure: it must still end on that SIGTERM, silently, not report the failure after waiting."""
+    rank_1 = subprocess.run(
+        [sys.executable, "-c", "from textclf import errors\nerrors.stop_signals.append('SIGTERM')\n"
+                               "errors.report(errors.InputError(errors.PEER_ENDED))"],
+        env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"}, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert rank_1.returncode == -15 and rank_1.stderr == "", rank_1.stderr
+
+
 @pytest.mark.slow
 def test_a_deepspeed_json_deepspeed_would_refuse_is_said_once_under_a_launch(tmp_path, reviews_csv, cache_dir):
     config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())

@@ -35,6 +35,9 @@ PEER_ENDED = "another process of this run ended"
 # How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it once rank 0
 # has reported the same error; a rank that is still running then reports its own.
 QUIET_RANK_WAIT_S = 10
+# The stop signals this process received, by name (train.py asks for a checkpoint on SIGTERM and SIGINT): the
+# launcher's SIGTERM to the other ranks, once one has failed, may come while they wait in a collective.
+stop_signals: list[str] = []
 
 
 def run_command(main):
@@ -93,6 +96,8 @@ def report(error: InputError) -> None:
     if int(os.environ.get("RANK", "0")) > 0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # stopped by the launcher: end quietly, no traceback
             signal.signal(sig, signal.SIG_DFL)
+        if stop_signals:  # the launcher's SIGTERM came first, to train.py's handler: it ends this rank now
+            os.kill(os.getpid(), signal.Signals[stop_signals[0]])
         time.sleep(QUIET_RANK_WAIT_S)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each rank it starts
     if error_file:
