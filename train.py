@@ -128,7 +128,7 @@ def main(cfg: TrainConfig) -> None:
     tracking.start_trackers(accelerator, cfg.to_dict())
     # SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
     # the next logging step, then a clean stop; a second Ctrl-C stops at once, without one.
-    stop_requested = errors.stop_signals  # the names of the signals received
+    stop_requested = errors.stop_signals = []  # the names of the signals received; errors.report reads them too
 
     def request_stop(signum, _frame):
         stop_requested.append(signal.Signals(signum).name)
