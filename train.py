@@ -8,6 +8,8 @@
 Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model).
 """
 
+import sys
+
 from textclf.errors import die_with_launcher, run_command
 
 if __name__ == "__main__":
@@ -15,17 +17,20 @@ if __name__ == "__main__":
 
 from textclf.config import TrainConfig, parse_config
 from textclf.launch import check_launch_early, launch_shortfall
+from textclf.resume import Resume, plan_resume
 
 if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the heavy imports below;
     # so do a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
+    cfg, resume = run_command(lambda: plan_resume(cfg, sys.argv[1:]))
     run_command(lambda: check_launch_early(cfg))
 
-import dataclasses
 import math
 import os
 import signal
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from accelerate.utils import DistributedType, gather_object, set_seed
@@ -38,22 +43,15 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
+from textclf.resume import restore
 from textclf.runtime import describe, exit_finished_run, make_accelerator
 from textclf.task import Task
 
 
-def main(cfg: TrainConfig) -> None:
-    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
-    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
-    # Checkpoints record the accumulation asked for, not the one a launch of another size takes to keep the global
-    # batch: the same command then resumes them again on any number of processes (a requeued job).
-    asked_accumulation = cfg.gradient_accumulation_steps
-    if resume_from:  # on another number of processes, the accumulation that keeps the checkpoint's global batch
-        position = checkpoint.read_verified_position(resume_from)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=checkpoint.accumulation_for(
-            resume_from, position, world_size))
-    accelerator = make_accelerator(cfg)
+def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
+    if resume is None:  # called from code (a notebook, a test): planned here, as the command line plans it
+        cfg, resume = plan_resume(cfg)
+    accelerator = make_accelerator(cfg, load_universal=resume.universal)
     run = describe(accelerator, cfg)
     accelerator.print(f"config: {cfg.to_dict()}")
     accelerator.print(" | ".join(f"{k}: {run[k]}" for k in ("distributed_type", "num_processes", "mixed_precision",
@@ -62,10 +60,6 @@ def main(cfg: TrainConfig) -> None:
     if accelerator.is_main_process and (shortfall := launch_shortfall(accelerator.num_processes)):
         print(f"warning: {shortfall}")  # the launch asked for more processes than it started: said, not refused
     set_seed(cfg.seed)
-    if resume_from:  # a launch that cannot resume it is told so before the data is read, with the one that can
-        if rescaled := checkpoint.check_launch(resume_from, position, run):
-            accelerator.print(rescaled)
-        position = checkpoint.on_this_launch(position, accelerator.num_processes, cfg.gradient_accumulation_steps)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
@@ -73,16 +67,6 @@ def main(cfg: TrainConfig) -> None:
         cfg, accelerator.local_main_process_first)
     accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
                       f"model: {cfg.model}, {parameter_counts(model)['params'] / 1e6:.1f}M parameters")
-
-    # Where this run starts: step 0, or a checkpoint made by the same kind of run.
-    identity = checkpoint.identity(cfg, run, data_fingerprint)
-    if resume_from:
-        checkpoint.check_compatible(resume_from, position, identity, cfg.allow_pickle)
-    best = position.get("best")  # the best evaluation so far (load_best_model_at_end, early stopping)
-    if best and cfg.load_best_model_at_end:
-        cadence.find_best_checkpoint(best, cfg.output_dir)  # not at the end: the run could not export it
-
-    # Optimizer and schedule, counted in optimizer steps.
     train_loader, eval_loader = make_loaders(
         train_set, eval_set, tokenizer, train_batch_size=cfg.per_device_train_batch_size,
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
@@ -91,88 +75,94 @@ def main(cfg: TrainConfig) -> None:
         # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
         pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None,
         pin_memory=accelerator.device.type == "cuda")  # copied to the GPU without waiting for it (runtime.py)
-    batches_per_epoch = len(train_loader) // accelerator.num_processes  # per process, once sharded (whole steps)
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    if resume_from:  # before any step runs: the position fits this schedule, every file is the one saved
-        checkpoint.check_resume(accelerator, resume_from, position, total_steps=total_steps,
-                                steps_per_epoch=steps_per_epoch, batches_per_epoch=batches_per_epoch,
-                                gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-        if position["step"] == total_steps:
-            accelerator.print(f"{resume_from} is the end of this run (step {total_steps}): nothing left to train; "
-                              "evaluating and exporting it again. To train longer, pass a larger --max_steps or "
-                              "--num_train_epochs")
+
+    # Optimizer and schedule, counted in optimizer steps.
+    schedule = Schedule.of(cfg, batches=len(train_loader) // accelerator.num_processes)  # per process, once sharded
     # Fused: one pass over each tensor instead of one per operation (the Trainer's default too); on a
     # CPU, BERT-base's optimizer step takes a third of the time.
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(total_steps), total_steps)
-    # ZeRO's states, partitioned over another number of processes, load from DeepSpeed's universal checkpoint.
-    universal = resume_from and checkpoint.needs_universal(resume_from, position, accelerator.num_processes,
-                                                           cfg.load_best_model_at_end)
-    if universal:
-        accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(schedule.total_steps),
+                              schedule.total_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    # From here on the run writes to output_dir (a universal checkpoint's conversion first), which it holds until
-    # it ends: one run at a time.
-    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume_from)
-    if resume_from:
-        checkpoint.load_state(accelerator, optimizer, resume_from, cfg.output_dir, universal)
-        accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
+    # From here on the run writes to output_dir, which it holds until it ends: one run at a time. A resume checks
+    # the checkpoint against the run just built, then loads it.
+    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume.checkpoint)
+    identity = checkpoint.identity(cfg, run, data_fingerprint)
+    position = restore(accelerator, optimizer, resume, cfg, identity, **vars(schedule))
     if accelerator.is_main_process:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
     tracking.start_trackers(accelerator, cfg.to_dict())
-    # SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
-    # the next logging step, then a clean stop; a second Ctrl-C stops at once, without one.
-    stop_requested = errors.stop_signals = []  # the names of the signals received; errors.report reads them too
 
-    def request_stop(signum, _frame):
-        stop_requested.append(signal.Signals(signum).name)
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-        if accelerator.is_local_main_process and len(stop_requested) == 1:
-            again = "; Ctrl-C again stops at once, without it" if signum == signal.SIGINT else ""
-            # os.write, not print: the signal may have interrupted a print, which must not be re-entered.
-            os.write(2, f"\n{stop_requested[0]}: saving a checkpoint at the next logging step (--logging_steps "
-                        f"{cfg.logging_steps}), then stopping{again}\n".encode())
-
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop_signal, request_stop)
-
-    def describe_model(folder):
-        """What export needs besides the weights: the model's config (with id2label) and tokenizer."""
-        accelerator.unwrap_model(model).config.save_pretrained(folder)
-        tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
-
-    def save(step, epoch, batch_in_epoch, metrics, window):
+    def save(step, epoch, batch_in_epoch, metrics, window, best):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
                  "best": best, "loss_window": gather_object([window.state()]),
-                 "config": cfg.to_dict() | {"gradient_accumulation_steps": asked_accumulation}}
+                 "config": cfg.to_dict() | {"gradient_accumulation_steps": resume.asked_accumulation}}
+
+        def describe_model(folder):  # what export needs besides the weights: the config (id2label), the tokenizer
+            accelerator.unwrap_model(model).config.save_pretrained(folder)
+            tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
+
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
-            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from,
+            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume.checkpoint,
                               task.greater_is_better(cfg.metric_for_best_model))
         return path
 
-    # The loop: one iteration per micro-batch; the work of an optimizer step happens where gradients sync.
-    step = position["step"]
+    step, metrics, best = fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader, task,
+                              schedule, position, save)
+    if step is None:  # stopped by a signal, after its checkpoint
+        return
+
+    if not metrics:  # resumed from the last checkpoint: nothing left to train
+        metrics = evaluate_model(model, eval_loader, accelerator, task)
+    if cfg.load_best_model_at_end and best:
+        metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
+    accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
+    model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
+                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint},
+                             trust_remote_code=cfg.trust_remote_code)
+    accelerator.print(f"model exported to {model_dir}")
+    accelerator.end_training()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's length in optimizer steps, and how an epoch's batches count them."""
+
+    batches_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, batches: int) -> "Schedule":
+        steps_per_epoch = math.ceil(batches / cfg.gradient_accumulation_steps)
+        return cls(batches, steps_per_epoch, cfg.max_steps or math.ceil(cfg.num_train_epochs * steps_per_epoch))
+
+
+def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader, task, schedule: Schedule,
+        position: dict, save):
+    """The loop: one iteration per micro-batch; the work of an optimizer step happens where gradients sync.
+    Returns (step, the last evaluation, the best so far), or step None when a signal stopped the run."""
+    step, best, total_steps = position["step"], position.get("best"), schedule.total_steps
     start_epoch, skip = position["epoch"], position["batch_in_epoch"]
-    if skip >= batches_per_epoch:  # the checkpoint closed its epoch
+    if skip >= schedule.batches_per_epoch:  # the checkpoint closed its epoch
         start_epoch, skip = start_epoch + 1, 0
     progress = tqdm(total=total_steps, initial=step, desc="train",
                     disable=not accelerator.is_local_main_process or step >= total_steps)
     # The loss window is part of a checkpoint: the first line after a resume averages what it would have.
-    window = tracking.Window(position["loss_window"][accelerator.process_index] if resume_from else None)
+    window = tracking.Window(position["loss_window"][accelerator.process_index] if "loss_window" in position else None)
+    stop_requested = request_stop_on_signals(accelerator, cfg.logging_steps)
     metrics = {}
     # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm: runtime.py); under it accelerate's
     # clip_grad_norm_ would only read the norm back, which waits for the device at every step.
     clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED
     model.train()
-    for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
+    for epoch in range(start_epoch, math.ceil(total_steps / schedule.steps_per_epoch)):
         if step >= total_steps:
             break
         train_loader.set_epoch(epoch)  # the same shuffle for this epoch as an uninterrupted run
@@ -196,54 +186,77 @@ def main(cfg: TrainConfig) -> None:
             progress.update()
             stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
-                values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
-                accelerator.log(values, step=step)
-                progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
+                stopping = log(accelerator, window, step, epoch, scheduler, progress, stop_requested)
                 window = tracking.Window()
-                # All ranks agree here whether any was asked to stop: asking waits for the device, as
-                # logging does, so a step between two log lines never waits for it.
-                if stop_requested:
-                    accelerator.set_trigger()
-                stopping = accelerator.check_trigger()
             metrics = {}
-            if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, steps_per_epoch):
-                metrics = evaluate_model(model, eval_loader, accelerator, task)
-                accelerator.log(metrics, step=step)
-                if cfg.load_best_model_at_end:
-                    best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
-                                              checkpoint.checkpoint_folder(cfg.output_dir, step),
-                                              task.greater_is_better(cfg.metric_for_best_model))
-                if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
-                    accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "
-                                      f"without improvement of {cfg.metric_for_best_model}")
-                    total_steps = step
+            if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, schedule.steps_per_epoch):
+                metrics, best, total_steps = evaluate(cfg, accelerator, model, eval_loader, task, step, best,
+                                                      total_steps)
             # The last step is saved too, as the Trainer does: --resume latest or auto then finds the run finished.
-            if cadence.due(cfg.save_strategy, cfg.save_steps, step, steps_per_epoch) or stopping or (
+            if cadence.due(cfg.save_strategy, cfg.save_steps, step, schedule.steps_per_epoch) or stopping or (
                     step == total_steps and cfg.save_strategy != "no"):
-                path = save(step, epoch, batch_in_epoch, metrics, window)
+                path = save(step, epoch, batch_in_epoch, metrics, window, best)
             if stopping:
                 progress.close()  # the bar's line ends first: the --resume line is one of its own
                 stopped_by = stop_requested[0] if stop_requested else "a signal to another rank"
                 accelerator.print(f"stopped by {stopped_by} at step {step}; continue with: --resume {path}")
                 accelerator.end_training()
-                return
+                return None, metrics, best
             if step >= total_steps:
                 break
         skip = 0
     progress.close()
+    return step, metrics, best
 
-    if not metrics:  # resumed from the last checkpoint: nothing left to train
-        metrics = evaluate_model(model, eval_loader, accelerator, task)
-    if cfg.load_best_model_at_end and best:
-        metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
-    accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
-    model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
-                             training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint},
-                             trust_remote_code=cfg.trust_remote_code)
-    accelerator.print(f"model exported to {model_dir}")
-    accelerator.end_training()
+
+def log(accelerator, window, step: int, epoch: int, scheduler, progress, stop_requested: list) -> bool:
+    """Log the window's loss and throughput; returns whether the run stops here. All ranks agree on it: asking
+    waits for the device, as logging does, so a step between two log lines never waits for it."""
+    values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
+    accelerator.log(values, step=step)
+    progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
+    if stop_requested:
+        accelerator.set_trigger()
+    return accelerator.check_trigger()
+
+
+def evaluate(cfg, accelerator, model, eval_loader, task, step: int, best: Optional[dict], total_steps: int):
+    """Evaluate and log; track the best evaluation (load_best_model_at_end) and stop early when patience runs out.
+    Returns (metrics, best, total_steps)."""
+    metrics = evaluate_model(model, eval_loader, accelerator, task)
+    accelerator.log(metrics, step=step)
+    if cfg.load_best_model_at_end:
+        best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
+                                  checkpoint.checkpoint_folder(cfg.output_dir, step),
+                                  task.greater_is_better(cfg.metric_for_best_model))
+    if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
+        accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "
+                          f"without improvement of {cfg.metric_for_best_model}")
+        total_steps = step
+    return metrics, best, total_steps
+
+
+def request_stop_on_signals(accelerator, logging_steps: int) -> list[str]:
+    """SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
+    the next logging step, then a clean stop; a second Ctrl-C stops at once, without one. Returns the list the
+    names of the signals received go into (errors.report reads it too)."""
+    stop_requested = errors.stop_signals = []
+
+    def request_stop(signum, _frame):
+        stop_requested.append(signal.Signals(signum).name)
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if accelerator.is_local_main_process and len(stop_requested) == 1:
+            again = "; Ctrl-C again stops at once, without it" if signum == signal.SIGINT else ""
+            # os.write, not print: the signal may have interrupted a print, which must not be re-entered.
+            os.write(2, f"\n{stop_requested[0]}: saving a checkpoint at the next logging step (--logging_steps "
+                        f"{logging_steps}), then stopping{again}\n".encode())
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, request_stop)
+    return stop_requested
 
 
 if __name__ == "__main__":
-    run_command(lambda: main(cfg))  # bad input: one `error:` line, exit code 2
+    run_command(lambda: main(cfg, resume))  # bad input: one `error:` line, exit code 2
     exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

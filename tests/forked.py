@@ -81,8 +81,9 @@ def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> N
 
     try:
         cfg = run_command(lambda: parse_config(args))
+        cfg, resume = run_command(lambda: train.plan_resume(cfg, args))
         run_command(lambda: train.check_launch_early(cfg))
-        run_command(lambda: train.main(cfg))
+        run_command(lambda: train.main(cfg, resume))
         exit_finished_run()
     finally:  # what the interpreter's exit runs after `python train.py` (multiprocessing's child skips it)
         atexit._run_exitfuncs()

@@ -120,9 +120,9 @@ def main() -> None:
     import train
     from textclf.config import parse_config
 
-    cfg = parse_config(sys.argv[1:])
+    cfg, resume = train.plan_resume(parse_config(sys.argv[1:]), sys.argv[1:])
     try:
-        train.main(cfg)
+        train.main(cfg, resume)
     finally:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         path = f"{out}.rank{os.environ.get('RANK', '0')}" if world > 1 else out

@@ -444,8 +444,16 @@ def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
 
 # --- resume by path alone: the checkpoint's config, and what a flag may change ---
 
+def resumed_config(argv):
+    """The config train.py's command line `argv` resumes with (resume.resolve: the checkpoint's under argv's)."""
+    from textclf.config import parse_config
+    from textclf.resume import resolve
+
+    return resolve(parse_config(argv), argv)[2]
+
+
 def fake_checkpoint(folder, **made_with):
-    """A step_<N> folder as far as parse_config reads it: position.json holding the config it was made with."""
+    """A step_<N> folder as far as resume.resolve reads it: position.json holding the config it was made with."""
     import dataclasses
 
     from textclf.config import TrainConfig
@@ -462,32 +470,29 @@ MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2,
 
 
 def test_resume_by_path_alone_takes_the_checkpoint_s_config_and_folder(tmp_path):
-    from textclf.config import parse_config
 
     checkpoint = fake_checkpoint(tmp_path / "moved_run" / "step_8", output_dir="/old/place", **MADE_WITH)
-    cfg = parse_config(["--resume", str(checkpoint)])
+    cfg = resumed_config(["--resume", str(checkpoint)])
     assert {key: getattr(cfg, key) for key in MADE_WITH} == MADE_WITH
     assert cfg.output_dir == str(tmp_path / "moved_run")  # the run goes on where its checkpoint is
     assert cfg.resume == str(checkpoint)
 
 
 def test_resume_latest_finds_the_newest_checkpoint_in_output_dir(tmp_path):
-    from textclf.config import parse_config
 
     fake_checkpoint(tmp_path / "run" / "step_4", **{**MADE_WITH, "learning_rate": 0.1})
     fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
-    cfg = parse_config(["--resume", "latest", "--output_dir", str(tmp_path / "run")])
+    cfg = resumed_config(["--resume", "latest", "--output_dir", str(tmp_path / "run")])
     assert cfg.learning_rate == 0.002 and cfg.resume == "latest"
 
 
 def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_the_newest_checkpoint(tmp_path):
-    from textclf.config import parse_config
 
-    cfg = parse_config(["--resume", "auto", "--output_dir", str(tmp_path / "run"), "--learning_rate", "0.1"])
+    cfg = resumed_config(["--resume", "auto", "--output_dir", str(tmp_path / "run"), "--learning_rate", "0.1"])
     assert cfg.resume == "auto" and cfg.learning_rate == 0.1  # nothing to continue: a fresh run's config
     fake_checkpoint(tmp_path / "run" / "step_4", **{**MADE_WITH, "learning_rate": 0.1})
     fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
-    cfg = parse_config(["--resume", "auto", "--output_dir", str(tmp_path / "run")])
+    cfg = resumed_config(["--resume", "auto", "--output_dir", str(tmp_path / "run")])
     assert cfg.learning_rate == 0.002 and cfg.resume == "auto"  # step_8's config
 
 
@@ -513,19 +518,19 @@ def test_sigterm_then_the_same_command_again_finishes_the_uninterrupted_run(tmp_
 
 
 def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path):
-    from textclf.config import RESUME_MAY_CHANGE, field_names, parse_config
+    from textclf.config import RESUME_MAY_CHANGE, field_names
 
     assert set(RESUME_MAY_CHANGE) <= set(field_names())
     checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
-    cfg = parse_config(["--resume", str(checkpoint), "--max_steps", "50", "--logging_steps", "5", "--eval_steps", "4",
+    cfg = resumed_config(["--resume", str(checkpoint), "--max_steps", "50", "--logging_steps", "5", "--eval_steps", "4",
                         "--save_steps", "4", "--save_total_limit", "2", "--output_dir", str(tmp_path / "elsewhere"),
                         "--report_to", "tensorboard", "--dataloader_num_workers", "1", "--allow_pickle"])
     assert (cfg.max_steps, cfg.logging_steps, cfg.eval_steps, cfg.per_device_train_batch_size) == (50, 5, 4, 6)
     assert cfg.output_dir == str(tmp_path / "elsewhere")
     assert cfg.eval_strategy == "steps"  # the checkpoint evaluated never; --eval_steps asks for it, as in a new run
     evaluated = fake_checkpoint(tmp_path / "evaluated" / "step_8", eval_strategy="steps", eval_steps=8)
-    assert parse_config(["--resume", str(evaluated), "--eval_strategy", "no"]).eval_strategy == "no"
-    assert parse_config(["--resume", str(evaluated)]).eval_strategy == "steps"
+    assert resumed_config(["--resume", str(evaluated), "--eval_strategy", "no"]).eval_strategy == "no"
+    assert resumed_config(["--resume", str(evaluated)]).eval_strategy == "steps"
 
 
 @pytest.mark.parametrize("flags, made, asked", [
@@ -545,30 +550,28 @@ def test_a_resumed_run_may_train_longer_and_change_cadence_and_outputs(tmp_path)
     (["--metric_for_best_model", "eval_accuracy"], "metric_for_best_model = eval_f1", "eval_accuracy"),
 ])
 def test_a_flag_that_would_change_the_resumed_run_is_refused_in_one_line(tmp_path, flags, made, asked):
-    from textclf.config import parse_config
     from textclf.errors import InputError
 
     checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
     with pytest.raises(InputError) as error:
-        parse_config(["--resume", str(checkpoint), *flags])
+        resumed_config(["--resume", str(checkpoint), *flags])
     assert str(error.value).startswith(
         f"cannot resume from {checkpoint}: it was made with {made}, this run has {asked}")
     assert "start a new run" in str(error.value)
 
 
 def test_a_recipe_cannot_change_the_resumed_run_either_and_unknown_options_are_refused(tmp_path):
-    from textclf.config import parse_config
     from textclf.errors import InputError
 
     checkpoint = fake_checkpoint(tmp_path / "run" / "step_8", **MADE_WITH)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("learning_rate: 0.01\n")
     with pytest.raises(InputError, match="made with learning_rate = 0.002, this run has 0.01"):
-        parse_config(["--config", str(recipe), "--resume", str(checkpoint)])
+        resumed_config(["--config", str(recipe), "--resume", str(checkpoint)])
     newer = fake_checkpoint(tmp_path / "newer" / "step_8", torch_compile_mode="max")
     with pytest.raises(InputError,
                        match="its config has option.s. torch_compile_mode that this train.py does not know"):
-        parse_config(["--resume", str(newer)])
+        resumed_config(["--resume", str(newer)])
 
 
 @pytest.fixture(scope="module")

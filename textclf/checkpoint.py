@@ -62,7 +62,6 @@ IDENTITY = {
 # Recorded with the identity, not compared: how the checkpoint's launch split its global batch.
 SPLIT = ("world_size", "gradient_accumulation_steps")
 _held_locks = []  # the open lock files of this process: closing one would release the folder
-_warned = set()  # the step folders without position.json this process has warned of (choose_checkpoint runs twice)
 
 
 def identity(cfg, run: dict, data_fingerprint: str) -> dict:
@@ -141,7 +140,13 @@ def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     """The checkpoint to resume from, or None to start fresh; refuses to mix runs in one folder."""
     refuse_if_in_use(output_dir)
-    return choose_checkpoint(resume, output_dir, overwrite)
+    path = choose_checkpoint(resume, output_dir, overwrite)
+    newer = without_position(output_dir, int(STEP_DIR.match(os.path.basename(path))[1])) if resume == "latest" else []
+    if newer and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
+              f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
+              f"{path}", file=sys.stderr)
+    return path
 
 
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
@@ -154,11 +159,6 @@ def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -
             raise InputError(f"--resume latest: no complete checkpoint in {output_dir}"
                              + (f" ({', '.join(newer)} without {POSITION})" if newer else "")
                              + "; drop --resume to start a fresh run")
-        if newer and int(os.environ.get("RANK", "0")) == 0 and newer[-1] not in _warned:
-            _warned.add(newer[-1])
-            print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
-                  f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
-                  f"{existing[-1][1]}", file=sys.stderr)
         return existing[-1][1]
     if resume:
         return resume

@@ -1,8 +1,9 @@
 """The one training config: a dataclass whose fields are the command-line flags.
 
 Values come from the defaults below, then from the checkpoint being resumed (`--resume`: its
-position.json holds the config it was made with), then from an optional YAML recipe
-(`--config recipe.yaml`), then from `--key value` on the command line; the command line wins.
+position.json holds the config it was made with; textclf/resume.py reads it and parses the command line
+again over it), then from an optional YAML recipe (`--config recipe.yaml`), then from `--key value` on the
+command line; the command line wins.
 Unknown keys and values of the wrong type stop the run with one line that says what was wrong.
 
 This module imports nothing heavy, so that `python train.py --help` answers before torch loads.
@@ -456,48 +457,6 @@ def _recipe_args(path: str) -> list[str]:
     return args
 
 
-def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
-    """(path, config) of the checkpoint that `--resume` in args names, or None without --resume.
-
-    The config comes from the checkpoint's position.json; its output_dir becomes the folder that
-    holds the checkpoint, so that the run goes on where it was (even when the folder has moved).
-    """
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--resume")
-    pre.add_argument("--output_dir", default=TrainConfig.output_dir)
-    known, _ = pre.parse_known_args(args)
-    if not known.resume:
-        return None
-    from .checkpoint import find_resume_checkpoint, read_verified_position  # here: --help stays fast
-
-    path = find_resume_checkpoint(known.resume, known.output_dir, True)
-    if path is None:  # --resume auto in a folder without a checkpoint: a fresh start
-        return None
-    config = read_verified_position(path).get("config")
-    if config is None:  # written before checkpoints held their config: every flag must be given again
-        return None
-    unknown = sorted(set(config) - set(field_names()))
-    if unknown:
-        raise InputError(f"cannot resume from {path}: its config has option(s) {', '.join(unknown)} that this "
-                         "train.py does not know; resume it with the version of train.py that made it")
-    if config.get("eval_strategy") == ("steps" if config.get("eval_steps") else "no"):
-        config["eval_strategy"] = None  # derived from eval_steps: derive it again, from this run's eval_steps
-    # Moving the folder aside was the starting run's act, not part of the run: a resume does not repeat it.
-    return path, {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None,
-                  "overwrite_output_dir": False}
-
-
-def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
-    """Refuse a value that differs from the checkpoint's where the resumed run would not be the same run."""
-    # Options newer than the checkpoint ran at their defaults.
-    made_with = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | made_with
-    for key, value in cfg.to_dict().items():
-        if key not in RESUME_MAY_CHANGE and value != made_with[key]:
-            raise InputError(f"cannot resume from {path}: it was made with {key} = {made_with[key]}, this run has "
-                             f"{value}; a resumed run keeps what shapes its training (leave out --{key}, or start "
-                             "a new run in another --output_dir)")
-
-
 def blame_recipe(message: str, path: Optional[str], from_recipe: list[str], command_line: list[str]) -> str:
     """`message` about a value, led by the recipe's name when the value came from the recipe."""
     given = {arg.split("=")[0] for arg in command_line if arg.startswith("--")}
@@ -511,8 +470,9 @@ def blame_recipe(message: str, path: Optional[str], from_recipe: list[str], comm
     return message
 
 
-def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
-    """Defaults < the config of the checkpoint resumed < YAML recipe (`--config`) < command line."""
+def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None) -> TrainConfig:
+    """Defaults < `under` < YAML recipe (`--config`) < command line. `under` is the config of the checkpoint
+    resumed (resume.plan parses the command line again over it): this reads no checkpoint."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
@@ -520,9 +480,8 @@ def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
     from_recipe = _recipe_args(recipe.config) if recipe.config else []
     args = from_recipe + rest
     parser = make_parser()
-    resumed = None if {"-h", "--help"} & set(args) else checkpoint_config(args)
-    if resumed:
-        parser.set_defaults(**resumed[1])
+    if under:
+        parser.set_defaults(**under)
     try:
         namespace, unknown = parser.parse_known_args(args)
         cfg = TrainConfig(**vars(namespace))
@@ -532,8 +491,6 @@ def parse_config(argv: Optional[list[str]] = None) -> TrainConfig:
         flags = [arg for arg in unknown if arg.startswith("-")]
         raise InputError(unknown_keys(flags) if flags else f"unexpected argument(s) {' '.join(unknown)}; "
                          "options are given as --key value (see `python train.py --help`)")
-    if resumed:
-        check_resumable(cfg, *resumed)
     require_local_model(cfg.model)
     return cfg
 

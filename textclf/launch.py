@@ -3,7 +3,6 @@ accelerate config) before torch, accelerate or the data are loaded: a launch tha
 at once (and what the machine lacks for it, with torch and accelerate loaded but not yet the rest).
 runtime.py builds the Accelerator for it; the check (textclf/check.py) reads the same rules."""
 
-import dataclasses
 import json
 import logging
 import os
@@ -34,22 +33,14 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
 
 
 def check_launch_early(cfg) -> None:
-    """Before the heavy imports and any data: refuse a data file that is not there, a launch that contradicts
+    """Before the heavy imports and any data: refuse a data file that is not there, and a launch that contradicts
     itself (a --mixed_precision other than the launch's, a DeepSpeed JSON unreadable or hard-coding what the
-    training config owns), and a resume that it cannot continue, giving the launch that can (train.py checks the
-    resume again once the Accelerator exists). Last, with torch and accelerate loaded (a second) but not yet
-    transformers or the data, what this machine lacks: a CUDA GPU for fp16, a tracker asked for."""
-
-    from .checkpoint import accumulation_for, check_launch, find_resume_checkpoint, read_verified_position
+    training config owns; `cfg` is the one resume.plan_resume gave, with a resumed run's accumulation). Last,
+    with torch and accelerate loaded (a second) but not yet transformers or the data, what this machine lacks: a
+    CUDA GPU for fp16, a tracker asked for."""
 
     require_data(cfg.data, cfg.eval_data)
     launch = this_launch(cfg.mixed_precision)
-    checkpoint = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
-    if checkpoint:
-        position = read_verified_position(checkpoint)
-        check_launch(checkpoint, position, launch)
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accumulation_for(
-            checkpoint, position, launch["num_processes"]))
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if launch["zero_stage"] is not None and ds_file != "none":
         conflicts = deepspeed_conflicts(read_deepspeed_file(ds_file), ds_file, cfg, launch["num_processes"])

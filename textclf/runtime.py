@@ -31,8 +31,9 @@ COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measu
                    "which export, predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
-def make_accelerator(cfg: TrainConfig) -> Accelerator:
-    """One Accelerator for every zoo file, on GPUs and on a CPU-only machine alike.
+def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelerator:
+    """One Accelerator for every zoo file, on GPUs and on a CPU-only machine alike. `load_universal`: ZeRO's
+    states are to be loaded from DeepSpeed's universal checkpoint (a resume on another number of processes).
 
     Without CUDA, a DDP yaml needs `cpu=True` to form a gloo process group (otherwise each rank
     runs alone), while DeepSpeed needs `cpu=False` and an explicit gloo backend (`cpu=True` would
@@ -74,6 +75,8 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
         # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
         plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
+    if plugin is not None and load_universal:
+        plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     if plugin is not None and zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
         load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
     return accelerator
