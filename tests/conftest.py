@@ -414,6 +414,10 @@ def four_step_run(tmp_path_factory, reviews_csv, cache_dir) -> Path:
     uninterrupted run that resumes are held against, and a source of checkpoints to damage (copy them:
     several tests share it)."""
     out = tmp_path_factory.mktemp("four_steps")
-    run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
-               "--output_dir", out])
+    # Python lists every module it imports on stderr (-X importtime): the modules of a fresh default run, beside it.
+    result = run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
+                        "--output_dir", out], env={"PYTHONPROFILEIMPORTTIME": "1"})
+    imported = sorted({line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
+                       if line.startswith("import time:") and line.count("|") == 2} - {"imported package"})
+    out.with_name(f"{out.name}.imports").write_text("\n".join(imported), encoding="utf-8")
     return out

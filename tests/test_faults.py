@@ -409,7 +409,8 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
         assert_refused(result, f"cannot export the model to {out / 'model'}")
         assert "--resume latest" in error_lines(result.stderr)[0]
         assert sorted(p.name for p in out.iterdir()) == [".lock", "log.jsonl", "run.json", "step_2"]
-        from textclf.checkpoint import read_position, verify_files
+        from textclf.checkpoint import read_position
+        from textclf.integrity import verify_files
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
 
 
@@ -597,9 +598,9 @@ def hold_like_a_build(lock: Path) -> subprocess.Popen:
     return holder
 
 
-def test_the_build_folder_runtime_looks_in_is_where_torch_takes_its_lock(tmp_path, monkeypatch):
-    """runtime.load_deepspeed_ops finds the lock through torch's private _get_build_directory: the folder that
-    torch's load() (DeepSpeed's jit_load) builds in unless told another, with its lock file inside."""
+def test_the_build_folder_deepspeed_ops_looks_in_is_where_torch_takes_its_lock(tmp_path, monkeypatch):
+    """deepspeed_ops.load_deepspeed_ops finds the lock through torch's private _get_build_directory: the folder
+    where torch's load() (DeepSpeed's jit_load) builds unless told another, with its lock file inside."""
     import inspect
 
     from torch.utils import cpp_extension
@@ -612,7 +613,7 @@ def test_the_build_folder_runtime_looks_in_is_where_torch_takes_its_lock(tmp_pat
 
 def test_a_build_lock_held_by_a_live_build_is_left_one_that_died_is_removed_once_its_compilers_end(
         tmp_path, capsys):
-    from textclf.runtime import release_stale_build_lock
+    from textclf.deepspeed_ops import release_stale_build_lock
 
     lock = tmp_path / "lock"
     holder = hold_like_a_build(lock)

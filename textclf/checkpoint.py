@@ -43,6 +43,9 @@ FSDP_SHARDED = "pytorch_model_fsdp_0"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 INCOMPLETE = ".incomplete_"  # + step_<N>: a checkpoint being written
 DELETING = ".deleting_"  # + step_<N>: a checkpoint being deleted
+UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another number of processes
+# What runs killed while saving, deleting or converting a checkpoint leave (textclf/leftovers.py removes it).
+LEFTOVERS = (INCOMPLETE, DELETING, UNIVERSAL)
 LOCK = ".lock"  # held (flock) by the main process of the run that owns the folder
 # What a run stores of its loss window, per rank (tracking.Window.state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
@@ -324,6 +327,8 @@ def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_p
 def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **schedule) -> None:
     """Before any step runs (collective): the position is one this run's schedule passes through
     (check_position), and every file is the one saved (verify_files, read by the main process alone)."""
+    from .integrity import verify_files
+
     check_position(checkpoint, position, world_size=accelerator.num_processes, **schedule)
     checked_on_main_process(accelerator, lambda: verify_files(checkpoint, position))
 
@@ -370,101 +375,6 @@ def complete(folder: str, position: dict,
              advice: str = "free space or make the folder writable, then run again") -> None:
     """Write position.json, last: the position, the list of the folder's files and its own sha256."""
     write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}), advice)
-
-
-def required_states(world_size: int, zero_stage: Optional[int]) -> list[tuple[str, str]]:
-    """What exact resume needs besides the loop position: (file, as a pattern where its name varies).
-
-    The sampler needs nothing more: its order follows from (seed, epoch), and the position says how
-    many of the epoch's batches were used. Accelerate skips an RNG file it cannot read with a log line
-    at info level; the others fail loudly when loaded, but are checked here all the same.
-    """
-    needed = [("scheduler.bin", r"scheduler\.bin")]
-    needed += [(f"random_states_{rank}.pkl", rf"random_states_{rank}\.pkl") for rank in range(world_size)]
-    if zero_stage is None:  # one process or DDP; FSDP's sharded optimizer is a folder
-        needed.append(("optimizer.bin", r"optimizer\.bin|optimizer_0/.+"))
-    else:  # DeepSpeed: one partition of the optimizer per rank, in the tag folder that `latest` names
-        needed += [(f"<tag>/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
-                    rf"[^/]+/(bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_optim_states\.pt") for rank in range(world_size)]
-    return needed
-
-
-def listed_files(position: dict) -> Optional[dict]:
-    files = position.get("files")
-    valid = isinstance(files, dict) and files and all(isinstance(v, dict) for v in files.values())
-    return files if valid else None
-
-
-def recorded_file_problems(checkpoint: str, position: dict) -> list[str]:
-    """How the files differ from the list position.json recorded when the checkpoint was completed: each is
-    read in full and hashed, whatever its size. One line per file."""
-    files = listed_files(position)
-    if files is None:
-        return [f"its {POSITION} lists no files to check it against (written by an older textclf, or edited); "
-                "use a checkpoint this version wrote"]
-    # Before position.json had a sha256 of its own, files above 16 MiB were recorded by size alone.
-    older = "sha256" not in position
-    problems, to_hash = [], []
-    for name, recorded in files.items():
-        path = os.path.join(checkpoint, name)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            problems.append(f"{name} is missing")
-            continue
-        except OSError as e:
-            problems.append(f"{name} is unreadable ({e.strerror})")
-            continue
-        if size != recorded.get("size"):
-            problems.append(f"{name} has {size} bytes, {recorded.get('size')} when it was saved")
-        elif "sha256" in recorded or not older:
-            to_hash.append(name)
-    for name, digest in zip(to_hash, sha256_all([os.path.join(checkpoint, name) for name in to_hash])):
-        if isinstance(digest, OSError):
-            problems.append(f"{name} is unreadable ({digest.strerror})")
-        elif digest != files[name].get("sha256"):
-            problems.append(f"{name} is not the file that was saved (its sha256 differs)")
-    unhashed = sorted(name for name in files if name not in to_hash and not any(p.startswith(name) for p in problems))
-    if older and unhashed:
-        print(f"warning: {checkpoint} was written by an older textclf, which recorded no sha256 for "
-              f"{', '.join(unhashed)} or for its {POSITION}: those are checked by their size alone", file=sys.stderr)
-    return problems
-
-
-def verify_checkpoint(checkpoint: str, position: dict) -> None:
-    """Every file the checkpoint recorded is the one saved, before anything of it is loaded (export, predict,
-    report, the best model's reload): one line per file that is not."""
-    problems = recorded_file_problems(checkpoint, position)
-    if problems:
-        raise InputError("\n".join(f"cannot load checkpoint {checkpoint}: {problem}; use another checkpoint"
-                                   for problem in problems))
-
-
-def verify_files(checkpoint: str, position: dict) -> None:
-    """Every file exact resume needs is there and readable, and every file the checkpoint recorded when
-    it was completed is the one saved (recorded_file_problems): one line per file that is not."""
-    problems = recorded_file_problems(checkpoint, position)
-    files = listed_files(position)
-    if files is None:
-        raise InputError(f"cannot resume from {checkpoint}: {problems[0]}")
-    problems += [f"{name} is not among the files it recorded" for name, pattern in
-                 required_states(position["world_size"], position["zero_stage"])
-                 if not any(re.fullmatch(pattern, recorded) for recorded in files)]
-    for rank in range(position["world_size"]):  # what Accelerate would skip without a word
-        name = f"random_states_{rank}.pkl"
-        if name in files and not any(problem.startswith(name) for problem in problems):
-            try:
-                from accelerate.utils import load
-
-                states = load(os.path.join(checkpoint, name))  # as Accelerate reads it: weights_only
-            except (pickle.UnpicklingError, EOFError, RuntimeError) as e:  # torch.load's words for "not a state"
-                states = e
-            rng_keys = {"random_state", "numpy_random_seed", "torch_manual_seed"}
-            if not (isinstance(states, dict) and rng_keys <= states.keys()):
-                problems.append(f"{name} does not load as rank {rank}'s RNG state")
-    if problems:
-        raise InputError("\n".join(f"cannot resume from {checkpoint}: {problem}; resume from another checkpoint "
-                                   "(--resume <output_dir>/step_<N>)" for problem in problems))
 
 
 def refuse_if_in_use(output_dir: str) -> None:
@@ -530,8 +440,10 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
             lock_file.close()
             print(f"--overwrite_output_dir: moved the previous run in {output_dir} aside to {aside} (delete it "
                   "when you no longer need it)")
-        removed = remove_leftovers(output_dir)
-        if removed:
+        if any(name.startswith(LEFTOVERS) for name in os.listdir(output_dir)):
+            from .leftovers import remove_leftovers
+
+            removed = remove_leftovers(output_dir)
             print(f"removed what an interrupted run left in {output_dir}: {', '.join(removed)}")
 
     checked_on_main_process(accelerator, claim)
@@ -586,18 +498,6 @@ def is_current(lock_file, path: str) -> bool:
     return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
 
 
-def remove_leftovers(output_dir: str) -> list[str]:
-    """Delete what runs killed while saving or deleting a checkpoint left; main process only."""
-    removed = sorted(name for name in os.listdir(output_dir) if name.startswith((INCOMPLETE, DELETING, UNIVERSAL)))
-    for name in removed:
-        try:
-            shutil.rmtree(os.path.join(output_dir, name))
-        except OSError as e:
-            raise write_failed("remove the leftover", os.path.join(output_dir, name), e,
-                               "delete it yourself, then run again") from None
-    return removed
-
-
 def delete_folder(path: str) -> None:
     """Delete a checkpoint folder through a rename first, so a kill mid-way never leaves a half-deleted
     folder under a checkpoint's name."""
@@ -610,10 +510,6 @@ def delete_folder(path: str) -> None:
     except OSError as e:
         raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
-
-
-UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another number of processes
-DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
 
 
 def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_model_at_end: bool) -> bool:
@@ -629,85 +525,26 @@ def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_
     return universal
 
 
-def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
-    """Collective: a folder that `accelerator.load_state` reads as `checkpoint`, with DeepSpeed's states
-    converted to its universal checkpoint (deepspeed.checkpoint.ds_to_universal: one file per parameter and
-    state, which any number of processes loads with `"checkpoint": {"load_universal": true}`). Accelerate's own
-    files are linked, not copied. The main process converts; the folder is removed once loaded
-    (load_state), or by the next start if the run is killed first."""
-    folder = os.path.join(output_dir, UNIVERSAL + os.path.basename(os.path.normpath(checkpoint)))
-
-    def convert():
-        from argparse import Namespace
-
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-        refuse_round_robin(checkpoint)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-        for name in os.listdir(checkpoint):
-            if name != DEEPSPEED_TAG:
-                os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(folder, name))
-        try:  # DeepSpeed's script, called as its command line would call it
-            ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
-                                      output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
-                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                      inject_missing_state=True))
-        except WRITE_ERRORS as e:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise write_failed("convert to a universal checkpoint", checkpoint, e,
-                               f"free space in {output_dir}, then run again") from None
-
-    checked_on_main_process(accelerator, convert)
-    return folder
-
-
-def refuse_round_robin(checkpoint: str) -> None:
-    """DeepSpeed's conversion misplaces the parameters of a ZeRO-1/2 checkpoint saved with
-    `round_robin_gradients` by more than one process (it reads them back in the order they were declared, not
-    in the round-robin order of the partitions): measured, then refused rather than trained on. The zoo's
-    DeepSpeed files leave it off."""
-    import torch
-
-    tag = os.path.join(checkpoint, DEEPSPEED_TAG)
-    states = sorted(name for name in os.listdir(tag) if name.endswith("model_states.pt"))
-    config = torch.load(os.path.join(tag, states[0]), map_location="cpu", weights_only=False).get("ds_config", {})
-    zero = config.get("zero_optimization", {})
-    if zero.get("round_robin_gradients") and zero.get("stage") in (1, 2):
-        raise InputError(f"cannot resume {checkpoint} on another number of processes: it was saved with "
-                         '"round_robin_gradients": true, whose partitions DeepSpeed\'s universal checkpoint '
-                         "misreads; resume it on the number of processes that made it")
-
-
 def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir: str, universal: bool) -> None:
-    """Collective: `accelerator.load_state(checkpoint)`, through universal_copy where ZeRO's partitions change
-    hands; a checkpoint that does not load is one line."""
-    import torch
+    """Collective: `accelerator.load_state(checkpoint)`, through DeepSpeed's universal checkpoint where ZeRO's
+    partitions change hands (textclf/universal.py); a checkpoint that does not load is one line."""
+    if universal:
+        from .universal import load_universal
 
-    load_from = universal_copy(accelerator, checkpoint, output_dir) if universal else checkpoint
-    # DeepSpeed's universal load gives every parameter group the first group's settings ("generally the same",
-    # stage3.py): the no-decay group would be decayed. The groups' own settings are put back after it.
-    settings = [{key: value for key, value in group.items() if key not in ("params", "lr")}
-                for group in optimizer.param_groups]
+        load_universal(accelerator, optimizer, checkpoint, output_dir)
+    else:
+        load_accelerate_state(accelerator, checkpoint)
+
+
+def load_accelerate_state(accelerator: Accelerator, folder: str, checkpoint: Optional[str] = None) -> None:
+    """`accelerator.load_state(folder)` (the files of `checkpoint`), a pickle it refuses as one line."""
     try:
-        accelerator.load_state(load_from)
+        accelerator.load_state(folder)
     except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
-        raise InputError(f"cannot load checkpoint {checkpoint}: {str(e).splitlines()[0]}") from None
+        raise InputError(f"cannot load checkpoint {checkpoint or folder}: {str(e).splitlines()[0]}") from None
     # load_state also restores accelerate's micro-batch counter, which decides where gradients sync; it counts in
     # the saved accumulation, and a checkpoint always sits where they synced: zero, in any accumulation's units.
     accelerator.step = 0
-    if universal:
-        # It also gives every ZeRO-3 partition one shared `step` tensor, which fused AdamW then increments in place
-        # once per partition at each step: each gets its own. (optimizer.optimizer is DeepSpeed's ZeRO optimizer,
-        # its .optimizer the torch one; test_resume.py's ZeRO-3 resumes fail if either changes.)
-        for state in optimizer.optimizer.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-        for group, own in zip(optimizer.param_groups, settings):
-            group.update(own)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(load_from, ignore_errors=True)
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:
