@@ -14,14 +14,16 @@ import ast
 import codecs
 import dataclasses
 import difflib
+import functools
 import inspect
+import math
 import os
 import re
 import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import yaml
 
@@ -41,6 +43,30 @@ DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Line
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field's value must be, as data on the field (`Annotated[type, rule]`): checked once the config is
+    made, and refused as `<field> <says>, got <value>`. None (an optional field left unset) always passes."""
+
+    holds: Callable[[Any], bool]
+    says: str
+
+
+POSITIVE_INT = Rule(lambda value: value > 0, "must be a positive integer")
+POSITIVE = Rule(lambda value: 0 < value < math.inf, "must be a positive number")  # NaN and inf hold neither
+AT_LEAST_0 = Rule(lambda value: value >= 0, "must be 0 or more")
+EVERY_OR_MORE = Rule(lambda value: value >= 0, "must be 0 (every example) or more")
+FRACTION = Rule(lambda value: 0 <= value < 1, "must be in [0, 1)")
+OPEN_FRACTION = Rule(lambda value: 0 < value < 1, "must be in (0, 1)")
+SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # what numpy's seed takes
+# What a resumed run may set differently from its checkpoint (a mark on the field): what keeps the steps it replays
+# exact (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers, the multi-label
+# threshold, which only evaluation reads) or asks for more of the same run (max_steps, num_train_epochs). Every
+# other field must match the checkpoint's (resume.check_resumable); the launch and the data are compared by
+# checkpoint.check_launch and check_compatible.
+MAY_CHANGE_ON_RESUME = "may change on resume"
 
 
 def default_learning_rate(model: str, lora: bool) -> float:
@@ -87,20 +113,20 @@ class TrainConfig:
     encoding: Optional[str] = None
     """Text encoding of the data files (e.g. gb18030, big5); default: UTF-8, and GB18030 (a superset of GBK) when a
     file is not valid UTF-8."""
-    eval_split: float = 0.1
+    eval_split: Annotated[float, OPEN_FRACTION] = 0.1
     """Fraction of `data` held out when `eval_data` is not given."""
-    max_length: int = 128
+    max_length: Annotated[int, POSITIVE_INT] = 128
     """Texts are truncated to this many tokens."""
-    tokenizer_sample: int = 100_000
+    tokenizer_sample: Annotated[int, EVERY_OR_MORE] = 100_000
     """scratch models: the tokenizer is learnt from this many training examples, drawn with --seed (0: from all of
     them); a sample this size finds the same frequent tokens in less time."""
     group_by_length: bool = True
     """Batch texts of similar length together: each global batch is one length group (less padding; the same order
     for a given seed, epoch and global batch, however many processes share it); evaluation batches are sorted by
     length too."""
-    dataloader_num_workers: int = 0
+    dataloader_num_workers: Annotated[int, AT_LEAST_0, MAY_CHANGE_ON_RESUME] = 0
     """Worker processes that collate batches (0: in the training process)."""
-    cache_dir: str = "~/.cache/textclf"
+    cache_dir: Annotated[str, MAY_CHANGE_ON_RESUME] = "~/.cache/textclf"
     """Where trained tokenizers are cached; tokenized data is cached by `datasets`."""
 
     # --- task (textclf/task.py, docs/tasks.md) ---
@@ -112,17 +138,17 @@ class TrainConfig:
     label_separator: str = ","
     """Several labels: what separates the names in a label cell of a CSV file (JSON Lines cells, and cells written as
     a JSON list, are lists already)."""
-    threshold: float = 0.5
+    threshold: Annotated[float, OPEN_FRACTION, MAY_CHANGE_ON_RESUME] = 0.5
     """Several labels: a label is predicted where its sigmoid exceeds this."""
 
     # --- optimisation (names as in transformers.TrainingArguments) ---
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: Annotated[int, POSITIVE_INT] = 32
     """Micro-batch per process."""
-    per_device_eval_batch_size: int = 128
+    per_device_eval_batch_size: Annotated[int, POSITIVE_INT, MAY_CHANGE_ON_RESUME] = 128
     """Eval batch per process."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, POSITIVE_INT] = 1
     """Micro-batches per optimizer step (global batch = micro x GA x processes)."""
-    learning_rate: Optional[float] = None
+    learning_rate: Annotated[Optional[float], POSITIVE] = None
     """Peak learning rate of AdamW; default by model kind: {DEFAULT_LEARNING_RATES} (the resolved value is printed
     and saved in run.json)."""
     weight_decay: float = 0.01
@@ -135,18 +161,18 @@ class TrainConfig:
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm; 0 turns it off."""
-    num_train_epochs: float = 3.0
+    num_train_epochs: Annotated[float, POSITIVE, MAY_CHANGE_ON_RESUME] = 3.0
     """Epochs to train, unless max_steps is set."""
-    max_steps: Optional[int] = None
+    max_steps: Annotated[Optional[int], POSITIVE_INT, MAY_CHANGE_ON_RESUME] = None
     """Optimizer steps to train; overrides num_train_epochs."""
-    warmup_ratio: float = 0.1
+    warmup_ratio: Annotated[float, FRACTION] = 0.1
     """Fraction of steps of linear warmup before the schedule's decay."""
     lr_scheduler_type: Literal[LR_SCHEDULERS] = "linear"
     """Learning-rate schedule after warmup, by transformers' get_scheduler name (those that need more than warmup and
     total steps, or a metric, are left out)."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, AT_LEAST_0] = 0
     """Optimizer steps of linear warmup; when above 0, overrides warmup_ratio."""
-    seed: int = 42
+    seed: Annotated[int, SEED] = 42
     """Seed for weights, data order, dropout and the split."""
     mixed_precision: Optional[Literal["no", "bf16", "fp16"]] = None
     """Precision of a `python train.py` run; under `accelerate launch`, the launch's (--mixed_precision there, or the
@@ -155,7 +181,7 @@ class TrainConfig:
     # --- LoRA (peft) ---
     lora: bool = False
     """Train LoRA adapters (and the head) instead of all weights."""
-    lora_r: int = 8
+    lora_r: Annotated[int, POSITIVE_INT] = 8
     """LoRA rank."""
     lora_alpha: int = 16
     """LoRA scaling alpha."""
@@ -165,81 +191,76 @@ class TrainConfig:
     """Module names to adapt; default: peft's choice for the model type (query and value for BERT)."""
 
     # --- evaluation and checkpoints ---
-    output_dir: str = "checkpoints"
+    output_dir: Annotated[str, MAY_CHANGE_ON_RESUME] = "checkpoints"
     """Where logs, checkpoints and the model go (with --resume <checkpoint>: the folder that holds it)."""
-    overwrite_output_dir: bool = False
+    overwrite_output_dir: Annotated[bool, MAY_CHANGE_ON_RESUME] = False
     """Start fresh in an output_dir that already holds checkpoints."""
-    eval_strategy: Optional[Literal["no", "steps", "epoch"]] = None
+    eval_strategy: Annotated[Optional[Literal["no", "steps", "epoch"]], MAY_CHANGE_ON_RESUME] = None
     """When to evaluate besides the end of training: 'steps' (every eval_steps), 'epoch', or 'no'; default: 'steps'
     if eval_steps is given, else 'no'."""
-    eval_steps: Optional[int] = None
+    eval_steps: Annotated[Optional[int], POSITIVE_INT, MAY_CHANGE_ON_RESUME] = None
     """Evaluate every this many optimizer steps (eval_strategy 'steps'; default there: logging_steps)."""
-    save_strategy: Literal["no", "steps", "epoch"] = "steps"
+    save_strategy: Annotated[Literal["no", "steps", "epoch"], MAY_CHANGE_ON_RESUME] = "steps"
     """When to checkpoint: 'steps' (every save_steps), 'epoch', or 'no'; with 'steps' or 'epoch' the last step is saved
     too (as the Trainer does)."""
-    save_steps: Optional[int] = 500
+    save_steps: Annotated[Optional[int], POSITIVE_INT, MAY_CHANGE_ON_RESUME] = 500
     """Checkpoint (step_<N>/) every this many optimizer steps."""
-    save_total_limit: Optional[int] = None
+    save_total_limit: Annotated[Optional[int], POSITIVE_INT, MAY_CHANGE_ON_RESUME] = None
     """Keep this many newest checkpoints, plus the best by metric_for_best_model."""
     metric_for_best_model: Optional[str] = None
     """Metric that picks the best checkpoint (the highest, or the lowest for an error such as eval_mse); default: the
     task's main one ({main_metrics})."""
-    load_best_model_at_end: bool = False
+    load_best_model_at_end: Annotated[bool, MAY_CHANGE_ON_RESUME] = False
     """Export the best checkpoint by metric_for_best_model (run.json says which step) instead of the last weights;
     needs checkpoints at every evaluation (same strategy and steps)."""
-    early_stopping_patience: Optional[int] = None
+    early_stopping_patience: Annotated[Optional[int], POSITIVE_INT, MAY_CHANGE_ON_RESUME] = None
     """Stop after this many evaluations in a row without improvement of metric_for_best_model (as the Trainer's
     EarlyStoppingCallback); needs load_best_model_at_end."""
-    resume: Optional[str] = None
+    resume: Annotated[Optional[str], MAY_CHANGE_ON_RESUME] = None
     """A step_<N> checkpoint folder, 'latest' for the newest complete one in output_dir, or 'auto': the newest
     complete one when there is one, else a fresh start (a requeued job's command). The run's config comes from the
-    checkpoint; flags may change only what keeps the run exact or extends it (RESUME_MAY_CHANGE in
-    textclf/config.py)."""
-    allow_pickle: bool = False
+    checkpoint; flags may change only what keeps the run exact or extends it (those marked
+    MAY_CHANGE_ON_RESUME)."""
+    allow_pickle: Annotated[bool, MAY_CHANGE_ON_RESUME] = False
     """Allow loading checkpoint files that need full pickle (DeepSpeed's own files)."""
 
     # --- logging ---
-    logging_steps: int = 20
+    logging_steps: Annotated[int, POSITIVE_INT, MAY_CHANGE_ON_RESUME] = 20
     """Log loss and lr every this many optimizer steps."""
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    report_to: Annotated[list[str], MAY_CHANGE_ON_RESUME] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers to log to, as the Trainer takes them: one or more names of trackers accelerate supports
     (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; installed), 'all' (every one
     installed) or 'none'. TensorBoard writes to <output_dir>/tensorboard."""
-    project_name: Optional[str] = None
+    project_name: Annotated[Optional[str], MAY_CHANGE_ON_RESUME] = None
     """The trackers' project (W&B project, MLflow experiment, ...). Unset: each tracker's own convention
     (WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME, COMET_PROJECT_NAME, ...)."""
-    run_name: Optional[str] = None
+    run_name: Annotated[Optional[str], MAY_CHANGE_ON_RESUME] = None
     """The run's name in the trackers (as the Trainer's run_name); TensorBoard writes to
     <output_dir>/tensorboard/<run_name>."""
 
     def __post_init__(self):
-        positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
-                    "gradient_accumulation_steps", "max_length", "logging_steps", "lora_r"]
-        positive_or_none = ["max_steps", "eval_steps", "save_steps", "save_total_limit", "early_stopping_patience"]
-        for name in positive + positive_or_none:
+        for name, rules in field_rules().items():
             value = getattr(self, name)
-            if (value is not None or name in positive) and value <= 0:
-                raise InputError(f"{name} must be a positive integer, got {value}")
-        if not 0 <= self.seed < 2 ** 32:  # what numpy's seed takes (accelerate's set_seed seeds numpy too)
-            raise InputError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
+            for rule in rules:
+                if value is not None and not rule.holds(value):
+                    raise InputError(f"{name} {rule.says}, got {value}")
         if self.learning_rate is None:
             self.learning_rate = default_learning_rate(self.model, self.lora)
-        if self.learning_rate <= 0 or self.num_train_epochs <= 0:
-            raise InputError("learning_rate and num_train_epochs must be positive")
-        if not 0 <= self.warmup_ratio < 1:
-            raise InputError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        for name in ("warmup_steps", "dataloader_num_workers"):
-            if getattr(self, name) < 0:
-                raise InputError(f"{name} must be 0 or more, got {getattr(self, name)}")
-        if self.tokenizer_sample < 0:
-            raise InputError(f"tokenizer_sample must be 0 (every example) or more, got {self.tokenizer_sample}")
-        if not 0 < self.eval_split < 1:
-            raise InputError(f"eval_split must be in (0, 1), got {self.eval_split}")
         if self.delimiter is not None:
             if "\\" in self.delimiter:  # a shell passes '\t' as two characters; it means a tab
                 self.delimiter = codecs.decode(self.delimiter, "unicode_escape")
             if len(self.delimiter) != 1:
                 raise InputError(f"delimiter must be one character, got {self.delimiter!r}")
+        if isinstance(self.report_to, str):  # a checkpoint's config from before report_to took a list
+            self.report_to = [self.report_to]
+        if len(self.report_to) > 1 and {"none", "all"} & set(self.report_to):
+            raise InputError(f"report_to {' '.join(self.report_to)}: 'none' and 'all' stand alone; pass one of "
+                             "them, or a list of tracker names")
+        self._check_cadence()
+        self._check_task()
+
+    def _check_cadence(self):
+        """Evaluation and checkpoints agree where the best model is kept; unset cadences as the Trainer sets them."""
         if self.eval_strategy is None:
             self.eval_strategy = "steps" if self.eval_steps else "no"
         if self.eval_strategy == "steps" and self.eval_steps is None:
@@ -255,12 +276,6 @@ class TrainConfig:
         if self.early_stopping_patience is not None and not self.load_best_model_at_end:
             raise InputError("early_stopping_patience needs --load_best_model_at_end (as the Trainer's "
                              "EarlyStoppingCallback): the run ends with the best model, not the last one")
-        if isinstance(self.report_to, str):  # a checkpoint's config from before report_to took a list
-            self.report_to = [self.report_to]
-        if len(self.report_to) > 1 and {"none", "all"} & set(self.report_to):
-            raise InputError(f"report_to {' '.join(self.report_to)}: 'none' and 'all' stand alone; pass one of "
-                             "them, or a list of tracker names")
-        self._check_task()
 
     def _check_task(self):
         """The task's options agree; the best checkpoint's metric is one the task computes."""
@@ -272,8 +287,6 @@ class TrainConfig:
                                  f"texts with --{role}_column and the labels with --label_column")
         if not self.label_separator:
             raise InputError("label_separator must not be empty")
-        if not 0 < self.threshold < 1:
-            raise InputError(f"threshold must be in (0, 1), got {self.threshold}")
         metric = self.metric_for_best_model or KINDS[self.task].main_metric
         self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
         metrics = [f"eval_{key}" for key, _, _ in KINDS[self.task].scores]
@@ -292,19 +305,6 @@ class TrainConfig:
 def describe_cadence(strategy: str, steps: Optional[int]) -> str:
     return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
 
-
-# What a resumed run may set differently from its checkpoint: what keeps the steps it replays exact
-# (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers, the
-# multi-label threshold, which only evaluation reads) or
-# asks for more of the same run (max_steps, num_train_epochs). Every other field must match the
-# checkpoint's. The launch (processes, ZeRO stage) and the data itself are compared separately, by
-# checkpoint.check_compatible.
-RESUME_MAY_CHANGE = (
-    "resume", "output_dir", "overwrite_output_dir", "max_steps", "num_train_epochs",
-    "logging_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "save_strategy", "save_steps",
-    "save_total_limit", "load_best_model_at_end", "early_stopping_patience",
-    "report_to", "project_name", "run_name", "allow_pickle", "cache_dir", "dataloader_num_workers", "threshold",
-)
 
 # --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.
 HELP_SECTIONS = {"model": "model", "data": "data", "task": "task", "per_device_train_batch_size": "optimisation",
@@ -335,6 +335,22 @@ FOREIGN = {
 
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+@functools.cache
+def field_marks() -> dict[str, tuple]:
+    """What each field's annotation carries besides its type (Annotated): its Rules and marks."""
+    hints = typing.get_type_hints(TrainConfig, include_extras=True)
+    return {name: getattr(hints[name], "__metadata__", ()) for name in field_names()}
+
+
+def field_rules() -> dict[str, list[Rule]]:
+    return {name: rules for name, marks in field_marks().items()
+            if (rules := [mark for mark in marks if isinstance(mark, Rule)])}
+
+
+# The fields a resumed run may set differently from its checkpoint (MAY_CHANGE_ON_RESUME).
+RESUME_MAY_CHANGE = tuple(name for name, marks in field_marks().items() if MAY_CHANGE_ON_RESUME in marks)
 
 
 def suggest(key: str) -> str:
