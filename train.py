@@ -87,9 +87,8 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    # From here on the run writes to output_dir, which it holds until it ends: one run at a time. A resume checks
-    # the checkpoint against the run just built, then loads it.
-    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume.checkpoint)
+    # A resume checks the checkpoint against the run just built. Then the run takes output_dir, which it holds
+    # until it ends (one run at a time), and writes to it from here on; a resume loads the checkpoint.
     identity = checkpoint.identity(cfg, run, data_fingerprint)
     position = restore(accelerator, optimizer, resume, cfg, identity, **vars(schedule))
     if accelerator.is_main_process:

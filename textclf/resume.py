@@ -111,11 +111,12 @@ def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
 
 def restore(accelerator: Accelerator, optimizer, resume: Resume, cfg: TrainConfig, identity: dict,
             **schedule) -> dict:
-    """Collective, after prepare and once the run holds its output folder: check the checkpoint against the run
-    that was built (identity: launch, data and model; the schedule: total_steps, steps_per_epoch,
-    batches_per_epoch) and every file against its record, then load it. Returns the position the loop starts
-    from; a fresh run's is step 0."""
+    """Collective, after prepare: check the checkpoint against the run that was built (identity: launch, data and
+    model; the schedule: total_steps, steps_per_epoch, batches_per_epoch) and every file against its record; take
+    the output folder (checkpoint.claim_output_dir: nothing is written before it, nothing refused after it); load
+    the checkpoint. Returns the position the loop starts from; a fresh run's is step 0."""
     if resume.checkpoint is None:
+        checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, None)
         return resume.position
     path, position = resume.checkpoint, resume.position
     checkpoint.check_compatible(path, position, identity, cfg.allow_pickle)
@@ -126,11 +127,11 @@ def restore(accelerator: Accelerator, optimizer, resume: Resume, cfg: TrainConfi
         find_best_checkpoint(best, cfg.output_dir)  # not at the end: the run could not export it
     checkpoint.check_resume(accelerator, path, position, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                             **schedule)
-    checkpoint.load_state(accelerator, optimizer, path, cfg.output_dir, resume.universal)
     if position["step"] == schedule["total_steps"]:
         accelerator.print(f"{path} is the end of this run (step {position['step']}): nothing left to train; "
                           "evaluating and exporting it again. To train longer, pass a larger --max_steps or "
                           "--num_train_epochs")
-    else:
-        accelerator.print(f"resumed from {path} at optimizer step {position['step']}")
+    checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, path)
+    checkpoint.load_state(accelerator, optimizer, path, cfg.output_dir, resume.universal)
+    accelerator.print(f"resumed from {path} at optimizer step {position['step']}")
     return position
