@@ -38,7 +38,7 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator
+from textclf.runtime import describe, exit_finished_run, make_accelerator, speed_up
 from textclf.task import Task
 
 
@@ -112,6 +112,7 @@ def main(cfg: TrainConfig) -> None:
                                                            cfg.load_best_model_at_end)
     if universal:
         accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    run["speed"] = speed_up(model, cfg, accelerator)  # TF32, Liger's kernels, torch.compile: on a GPU, by default
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 

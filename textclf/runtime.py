@@ -13,22 +13,17 @@ import time
 import warnings
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
 
 import psutil
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DynamoBackend
+from accelerate.utils import DistributedType, DynamoBackend
 
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, exit_now, verbose
 from .launch import read_deepspeed_file, zero_offload
-
-# torch.compile is refused rather than half supported: measured on a CPU it made training slower
-# (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
-COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager "
-                   "(docs/benchmark.md, \"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, "
-                   "which export, predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -67,9 +62,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         )
     print("".join(line for line in said.getvalue().splitlines(keepends=True)
                   if verbose() or not line.endswith("built successfully\n")), end="")
-    dynamo_backend = accelerator.state.dynamo_plugin.backend
-    if dynamo_backend != DynamoBackend.NO:
-        raise InputError(f"dynamo_backend is {dynamo_backend.value.lower()}: {COMPILE_REFUSED}")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
         # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
@@ -77,6 +69,106 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if plugin is not None and zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
         load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
     return accelerator
+
+
+def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator) -> dict:
+    """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
+    applied to `model` in place before `accelerator.prepare`; what was applied, for run.json.
+
+    The blocks are compiled in place (`nn.Module.compile`, accelerate's regional compilation): the modules and their
+    state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
+    Lengths are dynamic from the first batch: the code compiled does not depend on the length a run starts at, so a
+    resume runs the same kernels as the run it continues, and a new length compiles nothing. A launch's dynamo
+    settings (backend, mode, fullgraph, dynamic) are taken here, and accelerate's own compile of the whole model,
+    which would rename every weight `_orig_mod.*`, is turned off.
+    """
+    settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
+                             accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
+    if settings["tf32"]:
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    if settings["use_liger_kernel"]:
+        from transformers.integrations.liger import apply_liger_kernel  # the Trainer's --use_liger_kernel
+
+        apply_liger_kernel(model, None)
+    if settings["torch_compile"]:
+        from accelerate.utils import compile_regions_fsdp2  # the in-place variant (FSDP2's): nothing is renamed
+
+        plugin = accelerator.state.dynamo_plugin
+        compile_regions_fsdp2(model, **settings["torch_compile"])
+        plugin.backend = DynamoBackend.NO  # compiled here, once: prepare() must not compile the whole model again
+        CompileClock.start(accelerator.is_local_main_process)
+    return settings
+
+
+def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dynamo_plugin,
+                  model_type: Optional[str]) -> dict:
+    """{tf32, use_liger_kernel, torch_compile (torch.compile's keywords, or None)} for this run: the flags, with
+    auto (None) decided by the hardware, the launch and the model's family. A value the run cannot honour is
+    refused."""
+    launched = dynamo_plugin.backend != DynamoBackend.NO
+    if cfg.torch_compile is False and launched:
+        raise InputError(f"--torch_compile false, but the launch asks for dynamo_backend "
+                         f"{dynamo_plugin.backend.value.lower()}: leave one of them out")
+    sharded = distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    compiling = cfg.torch_compile if cfg.torch_compile is not None else launched or (cuda and not sharded)
+    compile_kwargs = None
+    if compiling:
+        compile_kwargs = {"backend": "inductor", "dynamic": True}
+        if launched:
+            compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
+                                   if value is not None and key != "disable"})
+    covered = liger_covers(model_type)
+    liger = cfg.use_liger_kernel
+    if liger is None:
+        liger = cuda and bool(covered)
+    elif liger and not (cuda and covered):
+        why = ("needs a CUDA GPU (Triton kernels)" if not cuda else "needs liger-kernel: pip install -e '.[liger]'"
+               if covered is None else f"liger-kernel has no kernels for model type {model_type}")
+        raise InputError(f"--use_liger_kernel {why}")
+    return {"tf32": cuda if cfg.tf32 is None else cfg.tf32 and cuda, "use_liger_kernel": liger,
+            "torch_compile": compile_kwargs}
+
+
+def liger_covers(model_type: Optional[str]) -> Optional[bool]:
+    """Whether liger-kernel has kernels for this model type; None when liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:  # not installed, or installed without what it needs (triton)
+        return None
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+class CompileClock:
+    """The seconds torch.compile spends compiling, said once: when the first step's backward has compiled.
+
+    Dynamo's compile callbacks (`torch._dynamo.callback_handler`, not in torch.compiler's public API) bracket
+    every compilation, the backward's included (compiled lazily, at the first backward).
+    """
+
+    seconds, started, said, local_main = 0.0, None, False, False
+
+    @classmethod
+    def start(cls, local_main: bool) -> None:
+        cls.seconds, cls.started, cls.said, cls.local_main = 0.0, None, False, local_main
+        handler = torch._dynamo.callback_handler
+        if cls.on_start not in handler.start_callbacks:
+            handler.register_start_callback(cls.on_start)
+            handler.register_end_callback(cls.on_end)
+
+    @classmethod
+    def on_start(cls, args) -> None:
+        cls.started = time.perf_counter()
+
+    @classmethod
+    def on_end(cls, args) -> None:
+        if cls.started is not None:
+            cls.seconds += time.perf_counter() - cls.started
+            cls.started = None
+        if args.callback_trigger.name == "LAZY_BACKWARD" and not cls.said:
+            cls.said = True
+            if cls.local_main:
+                print(f"torch.compile: the model's blocks compiled in {cls.seconds:.1f} s, in the first step "
+                      "(--torch_compile false runs without)", flush=True)
 
 
 def check_deepspeed_config(config: dict, place: str) -> None:
