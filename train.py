@@ -38,7 +38,7 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator, speed_up
+from textclf.runtime import describe, exit_finished_run, make_accelerator, padding_multiple, speed_up
 from textclf.task import Task
 
 
@@ -88,8 +88,7 @@ def main(cfg: TrainConfig) -> None:
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, group_by_length=cfg.group_by_length,
         seed=cfg.seed, num_workers=cfg.dataloader_num_workers,
-        # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
-        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None,
+        pad_to_multiple_of=padding_multiple(cfg, accelerator),  # tensor cores' multiple, or compiled lengths' buckets
         pin_memory=accelerator.device.type == "cuda")  # copied to the GPU without waiting for it (runtime.py)
     batches_per_epoch = len(train_loader) // accelerator.num_processes  # per process, once sharded (whole steps)
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The benchmark's module (`python -m benchmarks`), in one place.
 BENCH_MODULE = os.environ.get("TEXTCLF_BENCH_MODULE", "benchmarks")
 # Packages whose versions the report gives, and where each came from (the wheels brought along, or the machine's own).
-PACKAGES = ("torch", "accelerate", "transformers", "tokenizers", "datasets", "evaluate", "deepspeed", "peft",
+PACKAGES = ("torch", "accelerate", "transformers", "tokenizers", "datasets", "deepspeed", "liger-kernel", "peft",
             "safetensors", "huggingface-hub", "pyarrow", "fsspec", "numpy", "pydantic", "snownlp", "pytest",
             "pytest-xdist", "pytest-timeout")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

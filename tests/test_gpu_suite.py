@@ -55,6 +55,22 @@ def test_the_wheel_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", "scripts/gpu_wheels.sh"], cwd=REPO).returncode == 0
 
 
+def test_the_wheels_come_from_the_projects_own_dependencies_less_the_gpu_image():
+    from importlib.metadata import version
+
+    plan = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--plan"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})  # offline: no pip
+    assert plan.returncode == 0, plan.stderr
+    wheels = dict(line.split() for line in plan.stdout.splitlines())
+    # The project's packages that the image lacks, each at the version the CPU tests ran, and what they need.
+    for name in ("datasets", "deepspeed", "snownlp", "dill", "multiprocess", "hjson", "pydantic", "pydantic-core"):
+        assert wheels[name] == version(name), name
+    assert wheels["liger-kernel"] == "-" or wheels["liger-kernel"] == version("liger-kernel")  # the GPU extra
+    # No longer a dependency, or the image's own: never brought along.
+    for name in ("evaluate", "torch", "triton", "transformers", "accelerate", "peft", "numpy", "typing-extensions"):
+        assert name not in wheels, name
+
+
 @pytest.mark.slow
 def test_without_cuda_the_report_shows_every_gpu_test_skipped_with_its_reason(tmp_path):
     import torch

@@ -5,6 +5,7 @@ import copy
 import io
 import json
 import logging
+import math
 import os
 import platform
 import signal
@@ -77,13 +78,15 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
     The blocks are compiled in place (`nn.Module.compile`, accelerate's regional compilation): the modules and their
     state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
-    Lengths are dynamic from the first batch: the code compiled does not depend on the length a run starts at, so a
-    resume runs the same kernels as the run it continues, and a new length compiles nothing. A launch's dynamo
-    settings (backend, mode, fullgraph, dynamic) are taken here, and accelerate's own compile of the whole model,
-    which would rename every weight `_orig_mod.*`, is turned off.
+    Shapes are static, each batch length padded up to one of at most 8 buckets (padding_multiple): each shape's
+    kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit
+    (with dynamic shapes the kernels are tuned to the first length seen). A launch's dynamo settings (backend, mode,
+    fullgraph, dynamic) are taken here, and accelerate's own compile of the whole model, which would rename every
+    weight `_orig_mod.*`, is turned off.
     """
     settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
                              accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
+    settings["padding_multiple"] = padding_multiple(cfg, accelerator)
     if settings["tf32"]:
         torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
     if settings["use_liger_kernel"]:
@@ -94,6 +97,9 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
         from accelerate.utils import compile_regions_fsdp2  # the in-place variant (FSDP2's): nothing is renamed
 
         plugin = accelerator.state.dynamo_plugin
+        # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
+        # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         compile_regions_fsdp2(model, **settings["torch_compile"])
         plugin.backend = DynamoBackend.NO  # compiled here, once: prepare() must not compile the whole model again
         CompileClock.start(accelerator.is_local_main_process)
@@ -106,14 +112,9 @@ def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedTyp
     auto (None) decided by the hardware, the launch and the model's family. A value the run cannot honour is
     refused."""
     launched = dynamo_plugin.backend != DynamoBackend.NO
-    if cfg.torch_compile is False and launched:
-        raise InputError(f"--torch_compile false, but the launch asks for dynamo_backend "
-                         f"{dynamo_plugin.backend.value.lower()}: leave one of them out")
-    sharded = distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-    compiling = cfg.torch_compile if cfg.torch_compile is not None else launched or (cuda and not sharded)
     compile_kwargs = None
-    if compiling:
-        compile_kwargs = {"backend": "inductor", "dynamic": True}
+    if compiles(cfg, cuda, distributed_type, dynamo_plugin):
+        compile_kwargs = {"backend": "inductor", "dynamic": False}
         if launched:
             compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
                                    if value is not None and key != "disable"})
@@ -127,6 +128,26 @@ def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedTyp
         raise InputError(f"--use_liger_kernel {why}")
     return {"tf32": cuda if cfg.tf32 is None else cfg.tf32 and cuda, "use_liger_kernel": liger,
             "torch_compile": compile_kwargs}
+
+
+def compiles(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dynamo_plugin) -> bool:
+    """Whether the run compiles its blocks: --torch_compile, or auto: with CUDA for one process or DDP, or when the
+    launch asks for a dynamo backend."""
+    launched = dynamo_plugin.backend != DynamoBackend.NO
+    if cfg.torch_compile is False and launched:
+        raise InputError(f"--torch_compile false, but the launch asks for dynamo_backend "
+                         f"{dynamo_plugin.backend.value.lower()}: leave one of them out")
+    sharded = distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    return cfg.torch_compile if cfg.torch_compile is not None else launched or (cuda and not sharded)
+
+
+def padding_multiple(cfg: TrainConfig, accelerator: Accelerator) -> Optional[int]:
+    """What each batch's length is padded up to a multiple of. Compiling: max_length / 8, rounded up to a multiple
+    of 8, so that lengths fall in at most 8 buckets, each compiled once. Otherwise 8 in 16-bit precision, the
+    multiple tensor cores take (run_glue_no_trainer pads the same way), and none in fp32."""
+    if compiles(cfg, accelerator.device.type == "cuda", accelerator.distributed_type, accelerator.state.dynamo_plugin):
+        return 8 * math.ceil(cfg.max_length / 64)
+    return 8 if accelerator.mixed_precision != "no" else None
 
 
 def liger_covers(model_type: Optional[str]) -> Optional[bool]:
