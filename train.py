@@ -38,7 +38,14 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
-from textclf.runtime import describe, exit_finished_run, make_accelerator, padding_multiple, speed_up
+from textclf.runtime import (
+    describe,
+    exit_finished_run,
+    make_accelerator,
+    padding_multiple,
+    replay_cpu_adam_steps,
+    speed_up,
+)
 from textclf.task import Task
 
 
@@ -120,6 +127,7 @@ def main(cfg: TrainConfig) -> None:
     checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, resume_from)
     if resume_from:
         checkpoint.load_state(accelerator, optimizer, resume_from, cfg.output_dir, universal)
+        replay_cpu_adam_steps(optimizer)  # DeepSpeed's CPU Adam (offload) then steps as if never stopped
         accelerator.print(f"resumed from {resume_from} at optimizer step {position['step']}")
     if accelerator.is_main_process:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,

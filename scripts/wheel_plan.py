@@ -13,9 +13,9 @@ need, and the usual scientific stack (IMAGE_HAS).
 import importlib.metadata
 import re
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 

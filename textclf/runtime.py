@@ -192,6 +192,31 @@ class CompileClock:
                       "(--torch_compile false runs without)", flush=True)
 
 
+def replay_cpu_adam_steps(optimizer) -> None:
+    """Bring DeepSpeed's CPU Adam (the offload files' optimizer) to the resumed step the way it got there.
+
+    Its C++ side keeps Adam's bias corrections beta^t as a running product, multiplied by beta at each step, and
+    computes them as pow(beta, t) when a step does not follow the last one it saw (csrc/includes/cpu_adam.h,
+    IncrementStep): a resumed run's first step. The two differ in their last bits, and so would every weight after.
+    Its steps up to the checkpoint's are replayed here on a one-element tensor of its own, which builds the same
+    running product; the model's weights and states are not touched. Other optimizers keep no such state.
+    """
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return
+    while not isinstance(optimizer, DeepSpeedCPUAdam) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # accelerate's wrapper, then ZeRO's optimizer
+    if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.state:
+        return
+    steps = max(int(state["step"]) for state in optimizer.state.values() if "step" in state)
+    group = optimizer.param_groups[0]
+    scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient and Adam's two moments
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], *group["betas"], group["eps"],
+                                          group["weight_decay"], group["bias_correction"], *scratch)
+
+
 def check_deepspeed_config(config: dict, place: str) -> None:
     """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
     not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
