@@ -2,6 +2,7 @@
 arguments, its plan, and a whole run in which every GPU test is skipped and the report says so."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -86,3 +87,36 @@ def test_without_cuda_the_report_shows_every_gpu_test_skipped_with_its_reason(tm
     assert text.count("| skipped | ") == collected and "needs a CUDA GPU, which this machine lacks" in text
     assert "- cuda_available: False" in text and "| torch | " in text and "| tests | exit 0 |" in text
     assert "## Benchmark" in text and "Not run" in text
+
+
+@pytest.mark.slow
+def test_loadgroup_keeps_each_group_on_one_worker(tmp_path):
+    """The GPU suite's `--dist loadgroup`: the runs a group's tests compare share one worker (conftest's
+    keep_groups_together, for pytest 9, where pytest-xdist's own grouping is lost)."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util, sys\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+        f"spec = importlib.util.spec_from_file_location('project_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "project = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(project)\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    project.keep_groups_together(config, items)\n", encoding="utf-8")
+    # Marked as test_gpu.py marks its runs: a group on each parameter.
+    (tmp_path / "test_groups.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.parametrize('n', [pytest.param(n, marks=pytest.mark.xdist_group('a' if n // 2 % 2 else 'b'))\n"
+        "                               for n in range(16)])\n"
+        "def test_member(n):\n"
+        "    with open(os.environ['GROUPS_OUT'], 'a') as f:\n"
+        "        f.write(('a' if n // 2 % 2 else 'b') + ' ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n",
+        encoding="utf-8")
+    out = tmp_path / "groups.txt"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                             "loadgroup", "test_groups.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "GROUPS_OUT": str(out)})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    workers = {}
+    for line in out.read_text().splitlines():
+        group, worker = line.split()
+        workers.setdefault(group, set()).add(worker)
+    assert sorted(workers) == ["a", "b"] and all(len(ran_on) == 1 for ran_on in workers.values()), workers
