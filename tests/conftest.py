@@ -152,6 +152,9 @@ LIBRARY_SYNCS = {
     # ZeRO's step checks the gradient norm for inf and nan with bool() (`is_invalid_grad_norm`) and, with
     # 16-bit weights, reads its overflow flag (`has_overflow`, `.item()`).
     "deepspeed": "deepspeed/",
+    # torch.compile (on a GPU by default: runtime.speed_up): inductor times a new kernel's configurations at its
+    # first run, once per length bucket, and waits for the device to do so.
+    "torch.compile": "torch/_inductor/",
 }
 
 
