@@ -32,6 +32,13 @@ def test_the_plan_runs_the_gpu_tests_in_parallel_groups_then_the_named_benchmark
     assert plan["install"] is None and plan["budget_s"] == 570
 
 
+def test_the_steady_state_measurement_is_one_command_that_runs_the_benchmark_alone():
+    plan = json.loads(suite("--dry_run", "--no_install", "--no_tests", "--bench_module", "benchmarks.steady",
+                            "--bench_args=").stdout)
+    assert plan["tests"] is None and plan["warm"] is None and plan["bench_reserve_s"] == 0
+    assert plan["bench"][1:] == ["-m", "benchmarks.steady"]
+
+
 def test_the_install_takes_every_wheel_brought_along(tmp_path):
     for name in ("b-1.0-py3-none-any.whl", "a-2.0-py3-none-any.whl"):
         (tmp_path / name).write_bytes(b"")
@@ -46,6 +53,7 @@ def test_the_install_takes_every_wheel_brought_along(tmp_path):
     (["--budget", 300, "--bench_reserve", 290], "--bench_reserve 290 must leave time for the tests"),
     (["--wheels", "no_such_folder"], "no wheels in no_such_folder: fetch them with scripts/gpu_wheels.sh"),
     (["--workers", -1], "--workers must be 0"),
+    (["--no_tests", "--no_bench"], "--no_tests and --no_bench leave nothing to run"),
 ])
 def test_arguments_that_cannot_work_are_refused_before_anything_runs(args, message):
     result = suite(*args, check=False)
