@@ -76,7 +76,7 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
     """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
     applied to `model` in place before `accelerator.prepare`; what was applied, for run.json.
 
-    The blocks are compiled in place (`nn.Module.compile`, accelerate's regional compilation): the modules and their
+    The repeated blocks are compiled in place (modeling.compile_blocks, `nn.Module.compile`): the modules and their
     state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
     Shapes are static, each batch length padded up to one of at most 8 buckets (padding_multiple): each shape's
     kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit
@@ -94,14 +94,14 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
         apply_liger_kernel(model, None)
     if settings["torch_compile"]:
-        from accelerate.utils import compile_regions_fsdp2  # the in-place variant (FSDP2's): nothing is renamed
+        from .modeling import compile_blocks
 
-        plugin = accelerator.state.dynamo_plugin
         # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
         # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        compile_regions_fsdp2(model, **settings["torch_compile"])
-        plugin.backend = DynamoBackend.NO  # compiled here, once: prepare() must not compile the whole model again
+        compile_blocks(model, **settings["torch_compile"])
+        # Compiled here, once: prepare() must not compile the whole model again.
+        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
         CompileClock.start(accelerator.is_local_main_process)
     return settings
 
