@@ -209,7 +209,7 @@ def main(argv=None) -> None:
         lines += [f"## {name}: {model}, micro-batch {batch} x {max_length} tokens, "
                   f"{shape['params'] / 1e6:.1f}M parameters", "",
                   *table(results, limit, f"{'bf16' if limit_key.startswith('bf16') else 'fp32'} matmul "
-                                         f"({limit / 1e12:.1f} TFLOP/s)"), ""]
+                                         f"({limit / 1e12:.3g} TFLOP/s)"), ""]
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "steady.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
         (out_dir / "steady.md").write_text("\n".join(lines), encoding="utf-8")
