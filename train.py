@@ -44,7 +44,7 @@ from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
 from textclf.resume import restore
-from textclf.runtime import describe, exit_finished_run, make_accelerator
+from textclf.runtime import describe, exit_finished_run, make_accelerator, padding_multiple, speed_up
 from textclf.task import Task
 
 
@@ -72,8 +72,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
         eval_batch_size=cfg.per_device_eval_batch_size, num_processes=accelerator.num_processes,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, group_by_length=cfg.group_by_length,
         seed=cfg.seed, num_workers=cfg.dataloader_num_workers,
-        # Tensor cores take 16-bit matrices in multiples of 8 (run_glue_no_trainer pads the same way).
-        pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None,
+        pad_to_multiple_of=padding_multiple(cfg, accelerator),  # tensor cores' multiple, or compiled lengths' buckets
         pin_memory=accelerator.device.type == "cuda")  # copied to the GPU without waiting for it (runtime.py)
 
     # Optimizer and schedule, counted in optimizer steps.
@@ -84,6 +83,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=True)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps(schedule.total_steps),
                               schedule.total_steps)
+    run["speed"] = speed_up(model, cfg, accelerator)  # TF32, Liger's kernels, torch.compile: on a GPU, by default
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 

@@ -3,6 +3,7 @@
     python -m benchmarks.baselines plain_pytorch      <train.py options>
     python -m benchmarks.baselines hf_trainer         <train.py options>   # settings equal to train.py's
     python -m benchmarks.baselines hf_trainer_default <train.py options>   # the Trainer's defaults
+    python -m benchmarks.baselines hf_trainer_fast    <train.py options>   # train.py's settings, its speed flags
 
 Each takes train.py's own options (parsed by textclf.config), so data, split, tokenizer, model
 weights, batch size, steps, seed and hyperparameters are the job's by construction. Each writes
@@ -38,6 +39,7 @@ BASELINES = {  # name: what runs
     "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
     "hf_trainer": "transformers.Trainer, train.py's settings",
     "hf_trainer_default": "transformers.Trainer at its defaults",
+    "hf_trainer_fast": "transformers.Trainer, train.py's settings and speed flags (torch_compile, use_liger_kernel)",
 }
 
 
@@ -102,11 +104,13 @@ def plain_pytorch(cfg: TrainConfig) -> None:
     log.log({**{f"eval_{key}": value for key, value in scores.items()}, "eval_samples": len(references)}, step)
 
 
-def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
+def hf_trainer(cfg: TrainConfig, equal_settings: bool, speed_flags: bool = False) -> None:
     """transformers.Trainer on the same model and data: with train.py's settings, or at its defaults.
 
     Either way model, data, batch size, steps, seed and precision are the job's. At its defaults the Trainer
-    uses lr 5e-5, no warmup, no weight decay, random batches, fused AdamW and logs every 500 steps.
+    uses lr 5e-5, no warmup, no weight decay, random batches, fused AdamW and logs every 500 steps. With
+    `speed_flags`, what a Trainer user turns on for speed: torch_compile, and use_liger_kernel where liger-kernel
+    is installed.
     """
     train_set, eval_set, tokenizer, model = prepare(cfg)
     collate = DataCollatorWithPadding(tokenizer)  # what the Trainer picks by itself for a tokenizer
@@ -128,6 +132,10 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool) -> None:
             optim="adamw_torch_fused", lr_scheduler_type="linear", warmup_steps=round(cfg.warmup_ratio * cfg.max_steps),
             train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
             logging_steps=cfg.logging_steps)
+    if speed_flags:
+        from transformers.utils import is_liger_kernel_available
+
+        settings.update(torch_compile=True, use_liger_kernel=is_liger_kernel_available())
 
     class StepTimes(TrainerCallback):  # the Trainer's hooks take a callback object
         def on_train_begin(self, args, state, control, **kwargs):
@@ -159,7 +167,7 @@ def main(argv: list[str]) -> None:
     if argv[0] == "plain_pytorch":
         plain_pytorch(cfg)
     else:
-        hf_trainer(cfg, equal_settings=argv[0] == "hf_trainer")
+        hf_trainer(cfg, equal_settings=argv[0] != "hf_trainer_default", speed_flags=argv[0] == "hf_trainer_fast")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
     RANK from their rank and are not counted.
     """
     env = {**OFFLINE, **os.environ}
-    peak_rss, peak_gpu, rank_of = {}, {}, {}
+    peak_rss, peak_gpu, rank_of, busy = {}, {}, {}, []
     launched_at = time.time()
     with open(console, "w", encoding="utf-8") as out:
         # A session of its own: a Ctrl-C in the terminal reaches the benchmark alone, which stops the row.
@@ -75,6 +75,8 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
             while proc.poll() is None and time.time() - launched_at < timeout_s:
                 exit_if_stopped()
                 gpu_memory = gpu_memory_by_pid() if torch.cuda.is_available() else {}
+                if torch.cuda.is_available():
+                    busy.append((time.time(), gpu_utilization()))
                 tree = [root, *safe(root.children, recursive=True, default=[])]
                 pids = {p.pid for p in tree}
                 for p in tree:
@@ -102,7 +104,8 @@ def run_sampled(cmd: list[str], console: Path, timeout_s: float) -> dict:
             "timed_out": timed_out,
             "peak_rss_mb_per_rank": [round(peak_rss.get(pid, 0) / mb) for pid in ranks],
             "peak_device_mb_per_rank": [round(peak_gpu.get(pid, 0) / mb) for pid in ranks]
-            if torch.cuda.is_available() else None}
+            if torch.cuda.is_available() else None,
+            "gpu_busy_samples": [(at, value) for at, value in busy if value is not None] or None}
 
 
 def stop_tree(root: psutil.Process, grace_s: float = 0) -> None:
@@ -135,6 +138,16 @@ def gpu_memory_by_pid() -> dict:
         return {}
     return {int(pid): int(used) * 2 ** 20 for pid, used in (line.split(", ") for line in out.strip().splitlines())
             if used.strip().isdigit()}
+
+
+def gpu_utilization() -> Optional[int]:
+    """The share of the last sample period (1/6 s to 1 s) in which a kernel ran on GPU 0, in percent (nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out) if out.isdigit() else None
 
 
 def read_log(log_path: Path, launched_at: float, global_batch: int, warmup_steps: int) -> dict:
@@ -175,6 +188,7 @@ def run_row(row: dict, job: BenchJob, files: tuple[str, str], shape: dict, runs_
     print(f"[bench] {row['name']}: {' '.join(cmd[1:])}", flush=True)
     result = {**row, "model": job.model, "command": " ".join(["python", *cmd[1:]]),
               **run_sampled(cmd, output_dir / "console.log", ROW_TIMEOUT_S)}
+    result.pop("gpu_busy_samples")  # the steady-state job reads them (benchmarks/steady.py)
     result["peak_rss_mb"] = max(result["peak_rss_mb_per_rank"])
     if result["peak_device_mb_per_rank"] is not None:
         result["peak_device_mb"] = max(result["peak_device_mb_per_rank"])

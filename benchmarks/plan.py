@@ -70,7 +70,8 @@ def plan_jobs(quick: bool) -> list[BenchJob]:
 def plan_rows(job: BenchJob, cuda_devices: int) -> list[dict]:
     """Every row of the job: how it is launched, or why it cannot run here."""
     rows = [dict(name="single", what="python train.py", processes=1),
-            *(dict(name=name, what=what, processes=1, baseline=name) for name, what in BASELINES.items()),
+            *(dict(name=name, what=what, processes=1, baseline=name) for name, what in BASELINES.items()
+              if name != "hf_trainer_fast"),  # the steady-state job's (benchmarks/steady.py)
             dict(name="lora", what="python train.py --lora", processes=1, train_args=["--lora"], lora=True)]
     # On a GPU the comparison that matters is in bf16: train.py, the plain loop and the Trainer, each autocast.
     bf16 = dict(processes=1, precision="bf16", train_args=["--mixed_precision", "bf16"],

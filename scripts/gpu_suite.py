@@ -5,6 +5,7 @@ it runs before the project's packages are installed.
     python3 scripts/gpu_suite.py                            # wheels from .whl/, report in $OUT or here
     python3 scripts/gpu_suite.py --budget 570 --bench_args "--quick"
     python3 scripts/gpu_suite.py --dry_run                  # the plan, nothing run
+    python3 scripts/gpu_suite.py --no_tests --bench_module benchmarks.steady --bench_args=   # steady state only
 
 Steps, each under its share of the budget (a step that runs out is stopped, and the report says so):
 1. install the wheels that scripts/gpu_wheels.sh fetched (the machine has torch but not the rest, and
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The benchmark's module (`python -m benchmarks`), in one place.
 BENCH_MODULE = os.environ.get("TEXTCLF_BENCH_MODULE", "benchmarks")
 # Packages whose versions the report gives, and where each came from (the wheels brought along, or the machine's own).
-PACKAGES = ("torch", "accelerate", "transformers", "tokenizers", "datasets", "evaluate", "deepspeed", "peft",
+PACKAGES = ("torch", "accelerate", "transformers", "tokenizers", "datasets", "deepspeed", "liger-kernel", "peft",
             "safetensors", "huggingface-hub", "pyarrow", "fsspec", "numpy", "pydantic", "snownlp", "pytest",
             "pytest-xdist", "pytest-timeout")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -62,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bench_module", default=BENCH_MODULE, help=f"the benchmark's module (default {BENCH_MODULE})")
     parser.add_argument("--bench_args", default="--quick", help="arguments of the benchmark (default --quick)")
     parser.add_argument("--no_bench", action="store_true", help="run the tests only")
+    parser.add_argument("--no_tests", action="store_true", help="run the benchmark only (it gets the whole budget)")
     parser.add_argument("--workers", type=int, default=None,
                         help="pytest-xdist workers (default: 6 when pytest-xdist is installed, else none)")
     parser.add_argument("--test_timeout", type=int, default=300, help="seconds one test may take (pytest-timeout)")
@@ -70,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.budget <= REPORT_RESERVE_S + 30:
         parser.error(f"--budget {args.budget:g} leaves no time to run anything (at least {REPORT_RESERVE_S + 30} s)")
+    if args.no_tests and args.no_bench:
+        parser.error("--no_tests and --no_bench leave nothing to run")
+    if args.no_tests:
+        args.bench_reserve = 0  # nothing else to keep the time from
     if args.bench_reserve < 0 or (not args.no_bench and args.bench_reserve >= args.budget - REPORT_RESERVE_S):
         parser.error(f"--bench_reserve {args.bench_reserve:g} must leave time for the tests within --budget "
                      f"{args.budget:g}")
@@ -144,8 +150,8 @@ def plan(args, env: dict) -> dict:
         pytest += ["--timeout", str(args.test_timeout)]
     pytest += shlex.split(args.pytest_args)
     return {
-        "warm": [sys.executable, "scripts/warm_deepspeed_ops.py"],
-        "tests": pytest,
+        "warm": None if args.no_tests else [sys.executable, "scripts/warm_deepspeed_ops.py"],
+        "tests": None if args.no_tests else pytest,
         "bench": None if args.no_bench else [sys.executable, "-m", args.bench_module, *shlex.split(args.bench_args)],
         "workers": workers,
     }
@@ -305,25 +311,27 @@ def main(argv=None) -> int:
     done["workers"] = steps["workers"]
     facts = environment(str(Path(args.site).resolve()) if not args.no_install else "", env)
     cuda = facts.get("cuda_available")
-    if cuda:  # the CPU Adam build the offload files need (on a machine without CUDA the tests skip anyway)
+    if cuda and steps["warm"]:  # the CPU Adam build the offload files need (without CUDA the tests skip anyway)
         done["warm"] = run(steps["warm"], work / "warm.log", min(180, clock.left(bench_keep)), env)
     results = work / "results.jsonl"
     results.unlink(missing_ok=True)
     junit = work / "junit.xml"
     # Parallel workers each launch trainings: share the cores out rather than give each process all of them.
     threads = str(max(1, (os.cpu_count() or 1) // max(steps["workers"], 1)))
-    done["tests"] = run([*steps["tests"], "--junitxml", str(junit)], work / "pytest.log", clock.left(bench_keep),
-                        {"OMP_NUM_THREADS": threads, **env, "GPU_SUITE_RESULTS": str(results)})
+    if steps["tests"]:
+        done["tests"] = run([*steps["tests"], "--junitxml", str(junit)], work / "pytest.log", clock.left(bench_keep),
+                            {"OMP_NUM_THREADS": threads, **env, "GPU_SUITE_RESULTS": str(results)})
     bench_md = ""
     if steps["bench"] and clock.left() > 30:
         bench_dir = work / "bench"
         done["bench"] = run([*steps["bench"], "--output_dir", str(bench_dir)], work / "bench.log", clock.left(), env)
-        bench_md = (bench_dir / "bench.md").read_text(encoding="utf-8") if (bench_dir / "bench.md").is_file() else ""
+        written = [bench_dir / name for name in ("bench.md", "steady.md") if (bench_dir / name).is_file()]
+        bench_md = written[0].read_text(encoding="utf-8") if written else ""  # benchmarks', or benchmarks.steady's
     write_report(Path(args.report), args, facts, done, test_outcomes(work / "pytest.log", junit),
                  read_records(results), bench_md, clock, work)
     print(f"report: {args.report} ({clock.elapsed():.0f} s); raw logs: {work}")
-    tests = done["tests"]
-    return 0 if not tests["timed_out"] and tests["exit_code"] in (0, 5) else 1
+    tests = done.get("tests") or done.get("bench")
+    return 0 if tests and not tests["timed_out"] and tests["exit_code"] in (0, 5) else 1
 
 
 if __name__ == "__main__":

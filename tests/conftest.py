@@ -40,12 +40,31 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Two tiers: a plain `pytest` is the fast one, run between two changes; `pytest --full` is every test.
     An explicit -m chooses for itself."""
+    keep_groups_together(config, items)
     if config.getoption("--full") or config.getoption("markexpr"):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def keep_groups_together(config, items) -> None:
+    """Under `--dist loadgroup`, send the tests of one `xdist_group` to one worker, as pytest-xdist means to.
+
+    The scheduler groups by a `@<group>` suffix of each test's id, which pytest-xdist's workers add by setting
+    `item._nodeid`; pytest 9 keeps the id in `item._id` instead (a NodeId, private to pytest), so the suffix is
+    lost and loadgroup schedules as load. It is added here where it is missing (test_gpu_suite checks the grouping).
+    """
+    if not getattr(config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                         for mark in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 def free_port() -> int:
@@ -133,6 +152,9 @@ LIBRARY_SYNCS = {
     # ZeRO's step checks the gradient norm for inf and nan with bool() (`is_invalid_grad_norm`) and, with
     # 16-bit weights, reads its overflow flag (`has_overflow`, `.item()`).
     "deepspeed": "deepspeed/",
+    # torch.compile (on a GPU by default: runtime.speed_up): inductor times a new kernel's configurations at its
+    # first run, once per length bucket, and waits for the device to do so.
+    "torch.compile": "torch/_inductor/",
 }
 
 

@@ -78,7 +78,7 @@ from .modeling import (
     scratch_size,
     scratch_tokenizer_folder,
 )
-from .runtime import COMPILE_REFUSED, check_deepspeed_config
+from .runtime import check_deepspeed_config
 from .task import Task
 from .theory import (
     BYTES_PER_PARAM,
@@ -271,8 +271,6 @@ def check_topology(launch: dict, conflicts: list[str]) -> None:
     if machines > 1 and not launch["main_process_ip"]:
         conflicts.append(f"{path}: {machines} machines but no main_process_ip for them to meet at "
                          "(set it, or pass --main_process_ip)")
-    if launch["dynamo_backend"] != "NO":
-        conflicts.append(f"{path}: dynamo_backend {launch['dynamo_backend']}: {COMPILE_REFUSED}")
     if kind == "MULTI_GPU" and launch["use_cpu"]:
         conflicts.append(f"{path}: use_cpu true with MULTI_GPU starts {processes} independent single-process runs, "
                          "not one group; set use_cpu: false (train.py uses gloo where there is no CUDA)")

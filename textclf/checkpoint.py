@@ -534,6 +534,7 @@ def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir:
         load_universal(accelerator, optimizer, checkpoint, output_dir)
     else:
         load_accelerate_state(accelerator, checkpoint)
+    replay_cpu_adam_steps(optimizer)  # DeepSpeed's CPU Adam (offload) then steps as if never stopped
 
 
 def load_accelerate_state(accelerator: Accelerator, folder: str, checkpoint: Optional[str] = None) -> None:
@@ -545,6 +546,33 @@ def load_accelerate_state(accelerator: Accelerator, folder: str, checkpoint: Opt
     # load_state also restores accelerate's micro-batch counter, which decides where gradients sync; it counts in
     # the saved accumulation, and a checkpoint always sits where they synced: zero, in any accumulation's units.
     accelerator.step = 0
+
+
+def replay_cpu_adam_steps(optimizer) -> None:
+    """Bring DeepSpeed's CPU Adam (the offload files' optimizer) to the resumed step the way it got there.
+
+    Its C++ side keeps Adam's bias corrections beta^t as a running product, multiplied by beta at each step, and
+    computes them as pow(beta, t) when a step does not follow the last one it saw (csrc/includes/cpu_adam.h,
+    IncrementStep): a resumed run's first step. The two differ in their last bits, and so would every weight after.
+    Its steps up to the checkpoint's are replayed here on a one-element tensor of its own, which builds the same
+    running product; the model's weights and states are not touched. Other optimizers keep no such state.
+    """
+    import torch
+
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return
+    while not isinstance(optimizer, DeepSpeedCPUAdam) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # accelerate's wrapper, then ZeRO's optimizer
+    if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.state:
+        return
+    steps = max(int(state["step"]) for state in optimizer.state.values() if "step" in state)
+    group = optimizer.param_groups[0]
+    scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient and Adam's two moments
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], *group["betas"], group["eps"],
+                                          group["weight_decay"], group["bias_correction"], *scratch)
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:

@@ -95,6 +95,19 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: less activation memory for
     about a third more compute (non-reentrant, so it works with LoRA)."""
+    torch_compile: Optional[bool] = None
+    """Compile the model's repeated blocks with torch.compile, in place (state_dict keys, checkpoints and the export
+    do not change), with dynamic sequence lengths so that batches of new lengths do not compile again; the compile
+    time is said once. auto: on with CUDA for one process or DDP, off on a CPU (slower there) and under
+    DeepSpeed or FSDP. A launch's dynamo settings (`accelerate launch --dynamo_backend ...`) are taken: backend and
+    mode."""
+    use_liger_kernel: Optional[bool] = None
+    """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) in place of the model's, for the families liger-kernel covers
+    (llama, qwen2, mistral, gemma, ...; not BERT); needs CUDA and `pip install -e '.[liger]'`. auto: on where all
+    of that holds."""
+    tf32: Optional[bool] = None
+    """TF32 tensor cores for float32 matmuls and convolutions on an Ampere or newer GPU (the Trainer's --tf32).
+    auto: on with CUDA; a CPU is unaffected."""
 
     # --- data ---
     data: str = DEFAULT_DATA
@@ -388,6 +401,11 @@ def to_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
 
 
+def to_bool_or_auto(text: str) -> Optional[bool]:
+    """A tri-state flag's value: true, false, or 'auto' (None: decided by the hardware at hand)."""
+    return None if text.lower() == "auto" else to_bool(text)
+
+
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:
     """Each field's help: the string under it in the class's source (the convention of litgpt's configs), on one
     line, with the tables named in braces written out. A field without one stops --help and every run."""
@@ -409,18 +427,20 @@ def field_helps(cls: type = TrainConfig) -> dict[str, str]:
 def add_field(group, f: dataclasses.Field, hint, help_text: str) -> None:
     """One option for one field, typed as the field is: what transformers' HfArgumentParser does, written out
     so that --help and a mistyped flag answer without importing transformers."""
+    tri_state = hint == Optional[bool]  # true, false or auto (None)
     if typing.get_origin(hint) is typing.Union:  # Optional[X]
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    shown = " ".join(map(str, default)) if isinstance(default, list) else default
-    help_text += "" if default is None else f" (default: {shown})"
+    shown = " ".join(map(str, default)) if isinstance(default, list) else "auto" if tri_state else default
+    help_text += "" if default is None and not tri_state else f" (default: {shown})"
     options = {"default": default, "help": help_text.replace("%", "%%")}
     if typing.get_origin(hint) is Literal:
         options.update(choices=typing.get_args(hint), type=str)
     elif typing.get_origin(hint) is list:
         options.update(nargs="+", type=typing.get_args(hint)[0], metavar="TEXT")
     elif hint is bool:  # `--lora` alone, or `--lora true/false`; a flag that defaults to true gets --no_<flag> too
-        options.update(nargs="?", const=True, type=to_bool, metavar="BOOL")
+        options.update(nargs="?", const=True, type=to_bool_or_auto if tri_state else to_bool,
+                       metavar="{true,false,auto}" if tri_state else "BOOL")
     else:
         options.update(type=hint, metavar={int: "INT", float: "FLOAT"}.get(hint, "TEXT"))
     group.add_argument(f"--{f.name}", **options)

@@ -520,6 +520,21 @@ def seed_micro_batch(seed: int, step: int, micro_batch: int, device: torch.devic
         torch.cuda.manual_seed(value)  # the current device's generator
 
 
+class Collator(DataCollatorWithPadding):
+    """transformers' DataCollatorWithPadding, less the attention mask of a batch that has no padding.
+
+    Given a mask, transformers asks the device whether it masks anything (`padding_mask.all()` in masking_utils, to
+    drop it for SDPA's fastest kernels), which makes the host wait for the GPU in every forward. The collator knows
+    on the host; a model given no mask computes exactly what it does with a mask of all ones (it drops that one).
+    """
+
+    def __call__(self, features):
+        batch = super().__call__(features)
+        if batch["attention_mask"].all():  # a CPU tensor: no device to wait for
+            del batch["attention_mask"]
+        return batch
+
+
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
                  num_processes: int, group_by_length: bool, seed: int, gradient_accumulation_steps: int = 1,
                  pad_to_multiple_of=None, pin_memory: bool = False, num_workers: int = 0):
@@ -529,7 +544,7 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
     generator: otherwise every new iterator draws a seed from the global RNG. `pin_memory` (for a GPU)
     puts batches in page-locked memory, from which they are copied to the device while it works.
     """
-    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    collate = Collator(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
     lengths, train = train["length"][:], train.remove_columns(["length"])  # [:] reads the column once
     sampler = EpochLengthGroupedSampler(lengths, train_batch_size * num_processes * gradient_accumulation_steps,
@@ -552,7 +567,7 @@ def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_mult
     with warnings.catch_warnings():  # pyarrow's deprecation inside `datasets`, not ours to fix
         warnings.simplefilter("ignore", FutureWarning)
         table = table.sort("length", reverse=True).remove_columns(["length"])
-    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    collate = Collator(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     # Its own generator: iterating must not draw from the global RNG (dropout masks, exact resume).
     return DataLoader(table, batch_size=batch_size, collate_fn=collate, generator=torch.Generator(),
                       pin_memory=pin_memory, num_workers=num_workers)

@@ -5,25 +5,22 @@ import copy
 import io
 import json
 import logging
+import math
 import os
 import platform
+import time
 import warnings
 from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DynamoBackend
+from accelerate.utils import DistributedType, DynamoBackend
 
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, exit_now, verbose
 from .launch import read_deepspeed_file, zero_offload
-
-# torch.compile is refused rather than half supported: measured on a CPU it made training slower
-# (docs/benchmark.md, "torch.compile"), and a compiled model's checkpoints name every weight `_orig_mod.<name>`.
-COMPILE_REFUSED = ("train.py does not run under torch.compile: on a CPU it measured slower than eager "
-                   "(docs/benchmark.md, \"torch.compile\"), and its checkpoints would name every weight _orig_mod.*, "
-                   "which export, predict and a resume without it cannot read; launch with --dynamo_backend no")
 
 
 def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelerator:
@@ -65,9 +62,6 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
         )
     print("".join(line for line in said.getvalue().splitlines(keepends=True)
                   if verbose() or not line.endswith("built successfully\n")), end="")
-    dynamo_backend = accelerator.state.dynamo_plugin.backend
-    if dynamo_backend != DynamoBackend.NO:
-        raise InputError(f"dynamo_backend is {dynamo_backend.value.lower()}: {COMPILE_REFUSED}")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
         # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
@@ -79,6 +73,132 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
 
         load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
     return accelerator
+
+
+def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator) -> dict:
+    """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
+    applied to `model` in place before `accelerator.prepare`; what was applied, for run.json.
+
+    The repeated blocks are compiled in place (modeling.compile_blocks, `nn.Module.compile`): the modules and their
+    state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
+    Shapes are static, each batch length padded up to one of at most 8 buckets (padding_multiple): each shape's
+    kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit
+    (with dynamic shapes the kernels are tuned to the first length seen). A launch's dynamo settings (backend, mode,
+    fullgraph, dynamic) are taken here, and accelerate's own compile of the whole model, which would rename every
+    weight `_orig_mod.*`, is turned off.
+    """
+    settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
+                             accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
+    settings["padding_multiple"] = padding_multiple(cfg, accelerator)
+    if settings["tf32"]:
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    if settings["use_liger_kernel"]:
+        from transformers.integrations.liger import apply_liger_kernel  # the Trainer's --use_liger_kernel
+
+        apply_liger_kernel(model, None)
+    if settings["torch_compile"]:
+        from .modeling import compile_blocks
+
+        # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
+        # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        compile_blocks(model, **settings["torch_compile"])
+        # Compiled here, once: prepare() must not compile the whole model again.
+        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+        CompileClock.start(accelerator.is_local_main_process)
+    return settings
+
+
+def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dynamo_plugin,
+                  model_type: Optional[str]) -> dict:
+    """{tf32, use_liger_kernel, torch_compile (torch.compile's keywords, or None)} for this run: the flags, with
+    auto (None) decided by the hardware, the launch and the model's family. A value the run cannot honour is
+    refused."""
+    launched = dynamo_plugin.backend != DynamoBackend.NO
+    compile_kwargs = None
+    if compiles(cfg, cuda, distributed_type, dynamo_plugin):
+        compile_kwargs = {"backend": "inductor", "dynamic": False}
+        if launched:
+            compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
+                                   if value is not None and key != "disable"})
+    covered = liger_covers(model_type)
+    liger = cfg.use_liger_kernel
+    if liger is None:
+        liger = cuda and bool(covered)
+    elif liger and not (cuda and covered):
+        why = ("needs a CUDA GPU (Triton kernels)" if not cuda else "needs liger-kernel: pip install -e '.[liger]'"
+               if covered is None else f"liger-kernel has no kernels for model type {model_type}")
+        raise InputError(f"--use_liger_kernel {why}")
+    return {"tf32": cuda if cfg.tf32 is None else cfg.tf32 and cuda, "use_liger_kernel": liger,
+            "torch_compile": compile_kwargs}
+
+
+def compiles(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dynamo_plugin) -> bool:
+    """Whether the run compiles its blocks: --torch_compile, or auto: with CUDA for one process or DDP, or when the
+    launch asks for a dynamo backend."""
+    launched = dynamo_plugin.backend != DynamoBackend.NO
+    if cfg.torch_compile is False and launched:
+        raise InputError(f"--torch_compile false, but the launch asks for dynamo_backend "
+                         f"{dynamo_plugin.backend.value.lower()}: leave one of them out")
+    sharded = distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    return cfg.torch_compile if cfg.torch_compile is not None else launched or (cuda and not sharded)
+
+
+def padding_multiple(cfg: TrainConfig, accelerator: Accelerator) -> Optional[int]:
+    """What each batch's length is padded up to a multiple of. Compiling: max_length / 8, rounded up to a multiple
+    of 8, so that lengths fall in at most 8 buckets, each compiled once. Otherwise 8 in 16-bit precision, the
+    multiple tensor cores take (run_glue_no_trainer pads the same way), and none in fp32."""
+    if compiles(cfg, accelerator.device.type == "cuda", accelerator.distributed_type, accelerator.state.dynamo_plugin):
+        return 8 * math.ceil(cfg.max_length / 64)
+    return 8 if accelerator.mixed_precision != "no" else None
+
+
+def liger_covers(model_type: Optional[str]) -> Optional[bool]:
+    """Whether liger-kernel has kernels for this model type; None when liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:  # not installed, or installed without what it needs (triton)
+        return None
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+class CompileClock:
+    """The seconds torch.compile spends compiling in the first step, said once, when that step's optimizer step
+    ends (torch's global optimizer hook).
+
+    Dynamo's compile callbacks (`torch._dynamo.callback_handler`, not in torch.compiler's public API) bracket every
+    compilation: the forward's, and the backward's where it is compiled lazily (a cache hit compiles it at once).
+    """
+
+    seconds, started, local_main, said = 0.0, None, False, None
+
+    @classmethod
+    def start(cls, local_main: bool) -> None:
+        cls.seconds, cls.started, cls.local_main = 0.0, None, local_main
+        handler = torch._dynamo.callback_handler
+        if cls.on_start not in handler.start_callbacks:
+            handler.register_start_callback(cls.on_start)
+            handler.register_end_callback(cls.on_end)
+        if cls.said is None:
+            cls.said = torch.optim.optimizer.register_optimizer_step_post_hook(cls.say)
+
+    @classmethod
+    def on_start(cls, args) -> None:
+        cls.started = time.perf_counter()
+
+    @classmethod
+    def on_end(cls, args) -> None:
+        if cls.started is not None:
+            cls.seconds += time.perf_counter() - cls.started
+            cls.started = None
+
+    @classmethod
+    def say(cls, optimizer, args, kwargs) -> None:
+        cls.said.remove()
+        cls.said = None
+        if cls.local_main:
+            print(f"torch.compile: the model's blocks compiled in {cls.seconds:.1f} s, in the first step "
+                  "(--torch_compile false runs without)", flush=True)
 
 
 def check_deepspeed_config(config: dict, place: str) -> None:

@@ -173,10 +173,10 @@ class Window:
         """Count one micro-batch and its loss."""
         self.loss_sum += loss.detach().float()
         self.losses += 1
-        mask = batch["attention_mask"]
-        self.samples += mask.shape[0]
-        self.real_tokens += mask.sum()
-        self.padded_tokens += mask.numel()
+        ids, mask = batch["input_ids"], batch.get("attention_mask")  # no mask: no padding (data.Collator)
+        self.samples += ids.shape[0]
+        self.real_tokens += ids.numel() if mask is None else mask.sum()
+        self.padded_tokens += ids.numel()
 
     def summary(self, accelerator: Optional[Accelerator] = None) -> dict:
         """Averaged (loss) or summed (counts) over all processes of `accelerator`, or this one alone."""

@@ -1,0 +1,159 @@
+"""What makes a step fast on a GPU, as far as a CPU shows it: which of TF32, Liger's kernels and torch.compile a
+run applies (runtime.resolve_speed), the length buckets of a compiled run, the batches that need no attention
+mask, and a compiled run that trains, resumes bit for bit and exports the keys an eager run does."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from accelerate.utils import DistributedType, TorchDynamoPlugin
+from safetensors.torch import load_file
+
+from conftest import (
+    REPO,
+    TINY,
+    assert_no_sync_between_log_lines,
+    losses,
+    read_csv,
+    run_sync_probe,
+    run_train,
+    write_csv,
+)
+from textclf.config import TrainConfig, parse_config
+from textclf.errors import InputError
+from textclf.runtime import resolve_speed
+
+
+def speed(cuda=True, distributed_type=DistributedType.NO, backend="no", model_type="bert", **flags) -> dict:
+    return resolve_speed(TrainConfig(**flags), cuda, distributed_type, TorchDynamoPlugin(backend=backend), model_type)
+
+
+def test_the_speed_flags_are_the_trainers_and_take_true_false_or_auto():
+    assert parse_config(["--torch_compile"]).torch_compile is True
+    assert parse_config(["--torch_compile", "false", "--use_liger_kernel", "no", "--tf32", "auto"]).tf32 is None
+    cfg = parse_config([])
+    assert (cfg.torch_compile, cfg.use_liger_kernel, cfg.tf32) == (None, None, None)  # auto
+    with pytest.raises(InputError, match="argument --torch_compile: expected true or false, got 'sometimes'"):
+        parse_config(["--torch_compile", "sometimes"])
+
+
+def test_auto_compiles_and_uses_tf32_on_a_gpu_and_leaves_a_cpu_eager():
+    assert speed(cuda=False) == {"tf32": False, "use_liger_kernel": False, "torch_compile": None}
+    on_gpu = speed(cuda=True)
+    assert on_gpu["tf32"] and on_gpu["torch_compile"] == {"backend": "inductor", "dynamic": False}
+    assert speed(cuda=True, distributed_type=DistributedType.MULTI_GPU)["torch_compile"]
+    for sharded in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # asked for, not by default
+        assert speed(cuda=True, distributed_type=sharded)["torch_compile"] is None
+        assert speed(cuda=True, distributed_type=sharded, torch_compile=True)["torch_compile"]
+    assert speed(cuda=False, torch_compile=True)["torch_compile"]  # a CPU compiles when asked
+    assert speed(cuda=True, torch_compile=False, tf32=False) == {"tf32": False, "use_liger_kernel": False,
+                                                                 "torch_compile": None}
+    assert not speed(cuda=False, tf32=True)["tf32"]  # TF32 is a GPU's: a CPU is unaffected
+
+
+def test_a_launchs_dynamo_settings_are_taken_and_a_flag_against_them_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune")
+    compiled = speed(cuda=False, backend="inductor")["torch_compile"]
+    assert compiled["backend"] == "inductor" and compiled["mode"] == "max-autotune"
+    with pytest.raises(InputError, match="--torch_compile false, but the launch asks for dynamo_backend inductor"):
+        speed(cuda=False, backend="inductor", torch_compile=False)
+
+
+def test_liger_kernels_apply_on_cuda_to_the_families_liger_covers(monkeypatch):
+    for module in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.monkey_patch"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(InputError, match="--use_liger_kernel needs a CUDA GPU"):
+        speed(cuda=False, use_liger_kernel=True, model_type="qwen2")
+    installed = "liger_kernel" in {m.name for m in __import__("pkgutil").iter_modules()}
+    if not installed:  # this machine's case: auto stays off, asking for it says what to install
+        assert not speed(cuda=True, model_type="qwen2")["use_liger_kernel"]
+        with pytest.raises(InputError, match=r"needs liger-kernel: pip install -e '.\[liger\]'"):
+            speed(cuda=True, use_liger_kernel=True, model_type="qwen2")
+    # liger-kernel's own table of the model types it patches decides, whatever is installed.
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None, "qwen2": None}
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    assert speed(cuda=True, model_type="qwen2")["use_liger_kernel"]
+    assert not speed(cuda=True, model_type="bert")["use_liger_kernel"]
+    assert not speed(cuda=False, model_type="qwen2")["use_liger_kernel"]
+    with pytest.raises(InputError, match="liger-kernel has no kernels for model type bert"):
+        speed(cuda=True, use_liger_kernel=True, model_type="bert")
+
+
+def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():
+    from accelerate import Accelerator
+
+    from textclf.runtime import padding_multiple
+
+    accelerator = Accelerator(cpu=True)
+    assert padding_multiple(TrainConfig(), accelerator) is None  # eager fp32: no padding beyond the longest
+    for max_length, multiple in ((32, 8), (128, 16), (256, 32), (512, 64), (100, 16)):
+        assert padding_multiple(TrainConfig(torch_compile=True, max_length=max_length), accelerator) == multiple
+        assert -(-max_length // multiple) <= 8
+
+
+def test_a_batch_without_padding_goes_without_an_attention_mask_and_computes_the_same(tiny_model):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from textclf.data import Collator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model).eval()
+    collate = Collator(tokenizer)
+    full = [{"input_ids": [2, 5, 6, 7, 3]}, {"input_ids": [2, 8, 9, 10, 3]}]
+    batch = collate(full)
+    assert "attention_mask" not in batch
+    with torch.no_grad():
+        masked = model(**batch, attention_mask=torch.ones_like(batch["input_ids"])).logits
+        assert torch.equal(model(**batch).logits, masked)
+    padded = collate([full[0], {"input_ids": [2, 8, 3]}])
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def long_reviews(reviews_csv, tmp_path_factory):
+    """The 240 reviews, each joined with the next ones until 200 characters long: every text fills max_length."""
+    rows = read_csv(reviews_csv)
+    texts = [" ".join(row["review"] for row in (rows[i:] + rows)[:8])[:200] for i in range(len(rows))]
+    return write_csv(tmp_path_factory.mktemp("long") / "long.csv",
+                     [{"label": row["label"], "review": text} for row, text in zip(rows, texts)])
+
+
+@pytest.mark.slow
+def test_full_batches_wait_for_the_device_at_log_lines_only(tmp_path, long_reviews, cache_dir):
+    """Without an attention mask transformers has nothing to check on the device: no step between two log lines
+    waits for it, transformers' mask check included (conftest.LIBRARY_SYNCS)."""
+    args = [*TINY, "--data", long_reviews, "--cache_dir", cache_dir, "--output_dir", tmp_path / "out",
+            "--max_steps", 12, "--logging_steps", 4]
+    _, [report] = run_sync_probe(args, tmp_path / "syncs.json")
+    assert assert_no_sync_between_log_lines(report, ()) == []
+
+
+@pytest.mark.slow
+def test_a_compiled_run_on_a_cpu_resumes_bitwise_and_exports_the_eager_keys(tmp_path, reviews_csv, cache_dir):
+    run = [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
+           "--torch_compile", "true"]
+    full = run_train([*run, "--output_dir", tmp_path / "full"])
+    assert full.stdout.count("torch.compile: the model's blocks compiled in") == 1, full.stdout[-2000:]
+    ran = json.loads((tmp_path / "full" / "run.json").read_text(encoding="utf-8"))["speed"]
+    assert ran["torch_compile"] == {"backend": "inductor", "dynamic": False} and ran["padding_multiple"] == 8
+    run_train(["--resume", tmp_path / "full" / "step_2", "--output_dir", tmp_path / "resumed"])
+    expected, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert [got[step] for step in (3, 4)] == [expected[step] for step in (3, 4)]
+    reference, final = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("full", "resumed"))
+    assert reference.keys() == final.keys() and all(reference[key].equal(final[key]) for key in reference)
+    # The checkpoint and the export name the weights as an eager run does: no _orig_mod anywhere.
+    eager = run_train([*run[:-2], "--max_steps", 1, "--output_dir", tmp_path / "eager"])
+    assert "torch.compile" not in eager.stdout
+    assert load_file(tmp_path / "eager" / "model" / "model.safetensors").keys() == reference.keys()
+    assert load_file(tmp_path / "full" / "step_2" / "model.safetensors").keys() == reference.keys()
+    # And the export loads and predicts (the command reads the folder without compiling).
+    predicted = subprocess.run([sys.executable, "-m", "textclf.predict", "--model", tmp_path / "full" / "model",
+                                "--file", reviews_csv, "--output", tmp_path / "predictions.csv"], cwd=REPO,
+                               capture_output=True, text=True)
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
