@@ -14,6 +14,7 @@ import codecs
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import re
 import sys
@@ -223,8 +224,7 @@ class TrainConfig:
             raise InputError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
         if self.learning_rate is None:
             self.learning_rate = default_learning_rate(self.model, self.lora)
-        if self.learning_rate <= 0 or self.num_train_epochs <= 0:
-            raise InputError("learning_rate and num_train_epochs must be positive")
+        self._check_optimizer()
         if not 0 <= self.warmup_ratio < 1:
             raise InputError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         for name in ("warmup_steps", "dataloader_num_workers"):
@@ -260,6 +260,21 @@ class TrainConfig:
             raise InputError(f"report_to {' '.join(self.report_to)}: 'none' and 'all' stand alone; pass one of "
                              "them, or a list of tracker names")
         self._check_task()
+
+    def _check_optimizer(self) -> None:
+        """AdamW's settings and the epochs, in the ranges torch.optim.AdamW takes, and finite: an inf or NaN would
+        end in a traceback once the data is read, or train the weights into NaN."""
+        for name, within, wanted in [
+                ("learning_rate", self.learning_rate > 0, "a positive number"),
+                ("num_train_epochs", self.num_train_epochs > 0, "a positive number"),
+                ("adam_beta1", 0 <= self.adam_beta1 < 1, "in [0, 1)"),
+                ("adam_beta2", 0 <= self.adam_beta2 < 1, "in [0, 1)"),
+                ("adam_epsilon", self.adam_epsilon > 0, "a positive number"),
+                ("weight_decay", self.weight_decay >= 0, "0 or more"),
+                ("max_grad_norm", self.max_grad_norm >= 0, "0 (no clipping) or more")]:
+            value = getattr(self, name)
+            if not (within and math.isfinite(value)):  # a NaN fails every comparison, an inf only isfinite
+                raise InputError(f"{name} must be {wanted}, got {value}")
 
     def _check_task(self):
         """The task's options agree; the best checkpoint's metric is one the task computes."""
