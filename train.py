@@ -34,6 +34,7 @@ from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, errors, tracking
 from textclf.data import make_loaders, seed_micro_batch
+from textclf.divergence import DivergenceWatch
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
@@ -149,6 +150,7 @@ def main(cfg: TrainConfig) -> None:
         tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
 
     def save(step, epoch, batch_in_epoch, metrics, window):
+        watch.check(step, model)  # never a checkpoint of NaN weights: a diverged run stops here with one line
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
                  "best": best, "loss_window": gather_object([window.state()]),
                  "config": cfg.to_dict() | {"gradient_accumulation_steps": asked_accumulation}}
@@ -168,6 +170,7 @@ def main(cfg: TrainConfig) -> None:
     # The loss window is part of a checkpoint: the first line after a resume averages what it would have.
     window = tracking.Window(position["loss_window"][accelerator.process_index] if resume_from else None)
     metrics = {}
+    watch = DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm), output_dir=cfg.output_dir)
     # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm: runtime.py); under it accelerate's
     # clip_grad_norm_ would only read the norm back, which waits for the device at every step.
     clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED
@@ -184,11 +187,13 @@ def main(cfg: TrainConfig) -> None:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+                grad_norm = None
                 if accelerator.sync_gradients and clip:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             window.add(loss, batch)
+            watch.add(step + 1, loss, grad_norm)  # kept on the device: read at log lines, evaluations and saves
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -198,6 +203,7 @@ def main(cfg: TrainConfig) -> None:
             if step % cfg.logging_steps == 0 or step == total_steps:
                 values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
                 accelerator.log(values, step=step)
+                watch.check(step)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
                 window = tracking.Window()
                 # All ranks agree here whether any was asked to stop: asking waits for the device, as
@@ -207,6 +213,7 @@ def main(cfg: TrainConfig) -> None:
                 stopping = accelerator.check_trigger()
             metrics = {}
             if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, steps_per_epoch):
+                watch.check(step, model)
                 metrics = evaluate_model(model, eval_loader, accelerator, task)
                 accelerator.log(metrics, step=step)
                 if cfg.load_best_model_at_end:
