@@ -62,12 +62,13 @@ def test_row_numbers_count_the_rows_dropped_for_empty_text(tmp_path):
         splits(tmp_path, "d.csv", "label,review\n1,\n0,好\n,差\n1,棒\n")
 
 
-@pytest.mark.parametrize("line, where", [
-    ('{"review": "好", "label": 1.5}', "row 2: label 1.5 in column 'label' is not a class"),
-    ('{"review": "好", "label": NaN}', "row 2: label nan in column 'label' is not a class"),
+@pytest.mark.parametrize("line, where, advice", [
+    ('{"review": "好", "label": 1.5}', "row 2: label 1.5 in column 'label' is not a class", "use --task regression"),
+    ('{"review": "好", "label": NaN}', "row 2 has a label spelled as a missing number (nan) in column 'label'",
+     "fill them in or remove those rows"),
 ])
-def test_float_and_nan_classes_are_refused_with_regression_suggested(tmp_path, line, where):
-    with pytest.raises(InputError, match="use --task regression") as refused:
+def test_float_and_nan_classes_are_refused_with_regression_suggested(tmp_path, line, where, advice):
+    with pytest.raises(InputError, match=advice) as refused:
         splits(tmp_path, "d.jsonl", '{"review": "差", "label": 0}\n' + line + "\n",
                eval_text='{"review": "棒", "label": 1}\n')
     assert where in str(refused.value)

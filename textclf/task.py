@@ -65,7 +65,7 @@ class Task:
         for row, cell in zip(rows, cells):
             if isinstance(cell, str):
                 cell = cell.replace("\ufeff", "").strip() or None  # `书籍 ` is `书籍`; only an empty cell is missing
-            if isinstance(cell, str) and cell.lower() in NAN_SPELLINGS:
+            if isinstance(cell, str) and cell.lower() in NAN_SPELLINGS or isinstance(cell, float) and math.isnan(cell):
                 not_a_number[row] = cell
                 continue
             parsed.append(self.label(cell, f"{path} row {row}"))
