@@ -39,6 +39,7 @@ from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, errors, tracking
 from textclf.data import make_loaders, seed_micro_batch
+from textclf.divergence import DivergenceWatch
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
@@ -157,6 +158,7 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
     window = tracking.Window(position["loss_window"][accelerator.process_index] if "loss_window" in position else None)
     stop_requested = request_stop_on_signals(accelerator, cfg.logging_steps)
     metrics = {}
+    watch = DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm), output_dir=cfg.output_dir)
     # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm: runtime.py); under it accelerate's
     # clip_grad_norm_ would only read the norm back, which waits for the device at every step.
     clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED
@@ -173,11 +175,13 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+                grad_norm = None
                 if accelerator.sync_gradients and clip:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             window.add(loss, batch)
+            watch.add(step + 1, loss, grad_norm)  # kept on the device: read at log lines, evaluations and saves
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -186,14 +190,17 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
             stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
                 stopping = log(accelerator, window, step, epoch, scheduler, progress, stop_requested)
+                watch.check(step)
                 window = tracking.Window()
             metrics = {}
             if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, schedule.steps_per_epoch):
+                watch.check(step, model)
                 metrics, best, total_steps = evaluate(cfg, accelerator, model, eval_loader, task, step, best,
                                                       total_steps)
             # The last step is saved too, as the Trainer does: --resume latest or auto then finds the run finished.
             if cadence.due(cfg.save_strategy, cfg.save_steps, step, schedule.steps_per_epoch) or stopping or (
                     step == total_steps and cfg.save_strategy != "no"):
+                watch.check(step, model)  # never a checkpoint of NaN weights: a diverged run stops here, in one line
                 path = save(step, epoch, batch_in_epoch, metrics, window, best)
             if stopping:
                 progress.close()  # the bar's line ends first: the --resume line is one of its own

@@ -32,6 +32,16 @@ def test_booleans_parse_both_ways():
     (["--per_device_train_batch_size", "-4"], "per_device_train_batch_size must be a positive integer, got -4"),
     (["--max_steps", "ten"], "invalid int value: 'ten'"),
     (["--warmup_ratio", "1.5"], "warmup_ratio must be in [0, 1)"),
+    # AdamW's settings, refused when parsed rather than in a traceback after the data stage or as NaN weights
+    (["--learning_rate", "inf"], "learning_rate must be a positive number, got inf"),
+    (["--learning_rate", "nan"], "learning_rate must be a positive number, got nan"),
+    (["--learning_rate", "0"], "learning_rate must be a positive number, got 0.0"),
+    (["--num_train_epochs", "inf"], "num_train_epochs must be a positive number, got inf"),
+    (["--adam_beta1", "1.5"], "adam_beta1 must be in [0, 1), got 1.5"),
+    (["--adam_beta2", "1"], "adam_beta2 must be in [0, 1), got 1.0"),
+    (["--adam_epsilon", "0"], "adam_epsilon must be a positive number, got 0.0"),
+    (["--weight_decay", "nan"], "weight_decay must be 0 or more, got nan"),
+    (["--max_grad_norm", "inf"], "max_grad_norm must be 0 (no clipping) or more, got inf"),
     # the Trainer's options that cannot work together
     (["--load_best_model_at_end", "--eval_steps", "10", "--save_steps", "20"],
      "load_best_model_at_end needs a checkpoint at every evaluation: set --save_strategy and --save_steps as "

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
 from conftest import OFFLINE, REPO, TINY, assert_refused, free_port, run_train
 from textclf import check
@@ -26,7 +26,7 @@ from textclf.data import read_labelled
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
 from textclf.loading import load_trained
-from textclf.modeling import make_model, training_config
+from textclf.modeling import make_model, model_config, training_config
 from textclf.predict import read_inputs
 from textclf.runtime import check_deepspeed_config, make_accelerator
 from textclf.task import Task
@@ -74,6 +74,44 @@ def test_predict_never_prompts_to_run_a_folder_code(tmp_path):
     assert_refused(result, "needs custom code to load")
     assert "--trust_remote_code" in result.stderr
     assert not marker.exists()
+
+
+def known_type_with_auto_map(tmp_path, where):
+    """A BERT model folder (`model`) or step_<N> checkpoint (`checkpoint`) whose config or tokenizer config names
+    custom code in an auto_map: transformers knows `bert`, and without the refusal loads its own class instead."""
+    kind, file = where.split()
+    folder = tmp_path / ("step_1" if kind == "checkpoint" else "model")
+    BertForSequenceClassification(BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32)).save_pretrained(folder)
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "好", "差", "书"]))
+    tokenizer_folder = folder / "tokenizer" if kind == "checkpoint" else folder
+    BertTokenizerFast(str(tmp_path / "vocab.txt")).save_pretrained(tokenizer_folder)
+    edited = folder / "config.json" if file == "config" else tokenizer_folder / "tokenizer_config.json"
+    settings = json.loads(edited.read_text())
+    settings["auto_map"] = {"AutoConfig": "configuration_mine.MineConfig", "AutoTokenizer": ["tokenization_mine.Mine",
+                                                                                              None]}
+    edited.write_text(json.dumps(settings))
+    if kind == "checkpoint":
+        complete(str(folder), {"step": 1, "epoch": 0, "batch_in_epoch": 1})  # sealed, as a run seals it
+    return folder
+
+
+@pytest.mark.parametrize("where", ["model config", "model tokenizer", "checkpoint config", "checkpoint tokenizer"])
+def test_custom_code_on_a_known_model_type_is_refused_not_swapped_for_the_stock_class(tmp_path, where, capsys):
+    folder = known_type_with_auto_map(tmp_path, where)
+    named = folder / "tokenizer" if where == "checkpoint tokenizer" else folder  # the folder that names the code
+    line = f"'{named}' needs custom code to load (its config's auto_map names Python files it ships); pass " \
+           "--trust_remote_code if you trust that code"
+    with pytest.raises(InputError) as refused:  # export, predict and report
+        load_trained(str(folder))
+    assert str(refused.value) == line
+    if where.startswith("model"):  # train.py (build_job reads the config first; a resume too) and the check
+        with pytest.raises(InputError) as refused:
+            model_config(str(folder), 32)
+        assert str(refused.value) == line
+        capsys.readouterr()
+        assert check.main(["--model", str(folder), "--max_length", "32", "--target", "cpu"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {line}"]
 
 
 @pytest.mark.parametrize("recipe, message", [

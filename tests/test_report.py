@@ -90,5 +90,6 @@ def test_labels_the_model_does_not_know_are_one_clear_error(tiny_model, tmp_path
                         check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert f"{data} has label(s) neutral not seen in the training data (known: negative, positive)" in errors[0]
+    assert (f"{data} has 1 label ('neutral') not seen in the training data (known: 2 labels ('negative', "
+            "'positive'))") in errors[0]
     assert not (tmp_path / "r").exists()

@@ -184,7 +184,7 @@ BAD_INPUTS = {
     "empty data set": (lambda d: ["--data", _write(d / "e.csv", "label,review\n")], "is empty"),
     "unseen eval label": (lambda d: ["--data", _write(d / "tr.csv", "label,review\n1,好\n0,差\n1,棒\n0,烂\n"),
                                      "--eval_data", _write(d / "ev.csv", "label,review\n2,一般\n")],
-                          "has label(s) 2 not seen in the training data (known: 0, 1)"),
+                          "has 1 label ('2') not seen in the training data (known: 2 labels ('0', '1'))"),
     "malformed json lines": (lambda d: ["--data", _write(d / "m.jsonl", '{"review": "好", "label": 1}\n{oops\n')],
                              "cannot parse"),
     "unknown config key": (lambda d: ["--batch_size", "8"], "unknown config key(s) --batch_size"),
@@ -209,7 +209,7 @@ BAD_INPUTS = {
                    "--data", _write(d / "t.jsonl", '{"review": "好", "label": ["服务"]}\n'
                                                    '{"review": "差", "label": ["房间", "服务"]}\n'),
                    "--eval_data", _write(d / "e.csv", "label,review\n服务|早餐,一般\n")],
-        "e.csv has label(s) 早餐 not seen in the training data (known: 房间, 服务)"),
+        "e.csv has 1 label ('早餐') not seen in the training data (known: 2 labels ('房间', '服务'))"),
 }
 
 

@@ -56,7 +56,8 @@ class Rule:
 
 POSITIVE_INT = Rule(lambda value: value > 0, "must be a positive integer")
 POSITIVE = Rule(lambda value: 0 < value < math.inf, "must be a positive number")  # NaN and inf hold neither
-AT_LEAST_0 = Rule(lambda value: value >= 0, "must be 0 or more")
+AT_LEAST_0 = Rule(lambda value: 0 <= value < math.inf, "must be 0 or more")
+NO_CLIPPING_OR_MORE = Rule(lambda value: 0 <= value < math.inf, "must be 0 (no clipping) or more")
 EVERY_OR_MORE = Rule(lambda value: value >= 0, "must be 0 (every example) or more")
 FRACTION = Rule(lambda value: 0 <= value < 1, "must be in [0, 1)")
 OPEN_FRACTION = Rule(lambda value: 0 < value < 1, "must be in (0, 1)")
@@ -164,15 +165,15 @@ class TrainConfig:
     learning_rate: Annotated[Optional[float], POSITIVE] = None
     """Peak learning rate of AdamW; default by model kind: {DEFAULT_LEARNING_RATES} (the resolved value is printed
     and saved in run.json)."""
-    weight_decay: float = 0.01
+    weight_decay: Annotated[float, AT_LEAST_0] = 0.01
     """AdamW weight decay (not on biases and norms)."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, FRACTION] = 0.9
     """AdamW beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, FRACTION] = 0.999
     """AdamW beta2."""
-    adam_epsilon: float = 1e-8
+    adam_epsilon: Annotated[float, POSITIVE] = 1e-8
     """AdamW epsilon."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, NO_CLIPPING_OR_MORE] = 1.0
     """Gradient clipping norm; 0 turns it off."""
     num_train_epochs: Annotated[float, POSITIVE, MAY_CHANGE_ON_RESUME] = 3.0
     """Epochs to train, unless max_steps is set."""

@@ -16,7 +16,7 @@ from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_ve
 from .errors import InputError
 from .integrity import verify_checkpoint
 from .model_folder import TRAINING, load_folder, load_tokenizer, weight_files
-from .modeling import lora_settings, make_model, needs_remote_code
+from .modeling import lora_settings, make_model, needs_remote_code, refuse_custom_code
 from .tool_options import require_trained_model
 
 
@@ -62,6 +62,7 @@ def load_checkpoint(checkpoint: str, allow_pickle: bool, trust_remote_code: bool
         if "trust_remote_code" in str(e):
             raise needs_remote_code(checkpoint) from None  # else: the message below says more than the cause
         raise InputError(f"{checkpoint} is not a complete checkpoint: it has no readable config.json") from None
+    refuse_custom_code(checkpoint, getattr(config, "auto_map", None), trust_remote_code)
     try:
         weights = checkpoint_weights(checkpoint, allow_pickle)
     # What safetensors, torch.load and DeepSpeed's consolidation raise on a truncated or damaged file.

@@ -29,7 +29,7 @@ from transformers.utils import logging as transformers_logging
 from .checkpoint import write_json
 from .data import length_sorted_loader, tokenize
 from .errors import WRITE_ERRORS, InputError, verbose, write_failed
-from .modeling import load_refused, lora_settings, make_model
+from .modeling import load_refused, lora_settings, make_model, refuse_custom_code
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -198,6 +198,7 @@ def load_folder(folder: str, trust_remote_code: bool = False):
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise load_refused(folder, e, f"cannot load a model from {folder}") from None
+    refuse_custom_code(folder, getattr(config, "auto_map", None), trust_remote_code)
     if lora:
         # The base alone, from its own files: from_pretrained(folder) would add the adapter beside it,
         # and peft's PeftModel (which export merges) must add it instead.
@@ -236,9 +237,11 @@ def require_model_files(folder: str) -> None:
 
 def load_tokenizer(folder: str, trust_remote_code: bool = False):
     try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise load_refused(folder, e, f"cannot load the tokenizer saved in {folder}") from None
+    refuse_custom_code(folder, tokenizer.init_kwargs.get("auto_map"), trust_remote_code)
+    return tokenizer
 
 
 def predict_logits(model, tokenizer, texts: list[str], pairs: Optional[list[str]] = None, *, batch_size: int = 64,

@@ -25,6 +25,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from .errors import InputError, say, verbose
 
@@ -68,6 +69,8 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
     except (OSError, ValueError) as e:
         raise load_refused(model, e, f"cannot read the config of model '{model}'") from None
     auto_map = getattr(config, "auto_map", None) or {}
+    refuse_custom_code(model, auto_map, trust_remote_code)
+    refuse_custom_code(model, get_tokenizer_config(model).get("auto_map"), trust_remote_code)  # before the data
     custom_head = trust_remote_code and MODEL_CLASS.__name__ in auto_map
     if type(config) not in MODEL_CLASS_MAPPING and not custom_head:
         raise InputError(f"'{model}' is a {config.model_type} model, and transformers has no sequence-classification "
@@ -84,6 +87,13 @@ def needs_remote_code(model: str) -> InputError:
     """What transformers' refusal of a model's own code (trust_remote_code=False) says to the user."""
     return InputError(f"'{model}' needs custom code to load (its config's auto_map names Python files it ships); "
                       "pass --trust_remote_code if you trust that code")
+
+
+def refuse_custom_code(source: str, auto_map: Optional[dict], trust_remote_code: bool) -> None:
+    """A config or tokenizer whose auto_map names its own code needs trust_remote_code even where transformers
+    knows its type (`bert`): there transformers would silently load its own class in place of the folder's."""
+    if auto_map and not trust_remote_code:
+        raise needs_remote_code(source)
 
 
 def load_refused(model: str, error: Exception, problem: str) -> InputError:
@@ -106,6 +116,7 @@ def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length:
             tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, padding_side="right")
         except (OSError, ValueError) as e:
             raise load_refused(model, e, f"cannot load a tokenizer from '{model}'") from None
+        refuse_custom_code(model, tokenizer.init_kwargs.get("auto_map"), trust_remote_code)
         return with_pad_token(tokenizer, model)
     folder = scratch_tokenizer_folder(cache_dir, texts_key)
     start, learnt = time.perf_counter(), not os.path.isdir(folder)

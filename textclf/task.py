@@ -61,11 +61,19 @@ class Task:
         """The label column's cells as this kind reads them (`label`). Names are trimmed; only an empty cell is
         missing. `rows` are the cells' row numbers in the file (default 1, 2, ...), for the errors."""
         rows = rows or list(range(1, len(cells) + 1))
-        parsed = []
+        parsed, not_a_number = [], {}
         for row, cell in zip(rows, cells):
             if isinstance(cell, str):
                 cell = cell.replace("\ufeff", "").strip() or None  # `书籍 ` is `书籍`; only an empty cell is missing
+            if isinstance(cell, str) and cell.lower() in NAN_SPELLINGS or isinstance(cell, float) and math.isnan(cell):
+                not_a_number[row] = cell
+                continue
             parsed.append(self.label(cell, f"{path} row {row}"))
+        if not_a_number:
+            spelled = ", ".join(repr(cell) for cell in dict.fromkeys(not_a_number.values()))
+            raise InputError(f"{path}: {count_rows(list(not_a_number))} a label spelled as a missing number "
+                             f"({spelled}) in column '{self.label_column}', which pandas and datasets read as NaN; "
+                             "fill them in or remove those rows")
         self.check_labels(parsed, rows, path)
         return parsed
 
@@ -80,8 +88,8 @@ class Task:
         """Each label name's id, once every name seen is one the training data has."""
         unseen = sorted(seen - set(names))
         if unseen:
-            raise InputError(f"{path} has label(s) {', '.join(unseen)} not seen in the training data "
-                             f"(known: {', '.join(names)})")
+            raise InputError(f"{path} has {count_values(unseen, 'label')} not seen in the training data "
+                             f"(known: {count_values(names, 'label')})")
         return {name: i for i, name in enumerate(names)}
 
     def head_config(self, label_names: list[str]) -> dict:
@@ -144,14 +152,26 @@ class SingleLabel(Task):
         raise InputError(f"{where} is a {type(cell).__name__}, not a class; a class is a name or an integer")
 
     def check_labels(self, labels: list, rows: list[int], path: str) -> None:
-        """No missing label, and integers or names, not both."""
+        """No missing label, and numbers or names, not both: a CSV reader gives `0`, `1`, `bad` as three
+        strings, a JSON reader 1 and "bad" as an integer and a string."""
         super().check_labels(labels, rows, path)
-        first = {type(label): (row, label) for row, label in reversed(list(zip(rows, labels)))}  # each type's first
-        if len(first) > 1:
-            (int_row, number), (str_row, name) = first[int], first[str]
-            raise InputError(f"{path}: label column '{self.label_column}' mixes integers (row {int_row}: {number}) "
-                             f"and names (row {str_row}: {name!r}); write every label as a name, or every label as "
-                             "an integer")
+        numbers = [(row, label) for row, label in zip(rows, labels) if is_number(label)]
+        names = [(row, label) for row, label in zip(rows, labels) if not is_number(label)]
+        if numbers and names:
+            raise self.mixed(path, "numbers", numbers, "names", names)
+        integers = [(row, label) for row, label in numbers if isinstance(label, int)]
+        if 0 < len(integers) < len(numbers):  # 1 and "2" (JSON): numbers both, but with no order between them
+            raise self.mixed(path, "integers", integers, "numbers written as text",
+                             [(row, label) for row, label in numbers if isinstance(label, str)])
+
+    def mixed(self, path: str, *kinds) -> InputError:
+        """The refusal of a label column that mixes two kinds of label: (name, [(row, label), ...]) twice."""
+        first, second = (f"{name} (row {cells[0][0]}: {cells[0][1]!r}"
+                         + (f", and {len(cells) - 1} more)" if len(cells) > 1 else ")")
+                         for name, cells in (kinds[:2], kinds[2:]))
+        return InputError(f"{path}: label column '{self.label_column}' mixes {first} and {second}; clean the column so "
+                          "that every label is a name or every label is an integer, or for a number per example use "
+                          "--task regression")
 
     def label_names(self, labels: list, path: str) -> list[str]:
         """The model's outputs in id order (its id2label): here the labels sorted (numerically for integers)."""
@@ -172,10 +192,11 @@ class SingleLabel(Task):
         so). `names`: the labels' names; `held_out`: how many examples it holds out; `refusal` begins the error
         when it cannot be. Here the labels: each class needs an example on each side."""
         counts = Counter(labels)
-        scarce = [f"'{names[label] if names else label}' (1 example)" for label in sorted(counts) if counts[label] < 2]
+        scarce = [str(names[label] if names else label) for label in sorted(counts) if counts[label] < 2]
         if scarce:
-            raise InputError(f"{refusal} stratified by label: class(es) {', '.join(scarce)} need at least 2 examples, "
-                             "one on each side; add examples, or give a held-out file with --eval_data")
+            raise InputError(f"{refusal} stratified by label: {count_values(scarce, 'class')} with a single example, "
+                             "and a class needs at least 2, one on each side; add examples, or give a held-out file "
+                             "with --eval_data")
         return labels, "stratified by label"
 
     def predictions(self, logits):
@@ -376,6 +397,10 @@ class Regression(Task):
         return Ridge(), "ridge regression"
 
 
+# The spellings of a missing number that pandas reads as NaN by default, which this project's readers keep as text
+# (data.read_file); lower case. `None` and `null` stay names: a class of that name is common.
+NAN_SPELLINGS = {"nan", "-nan", "na", "<na>", "n/a", "#n/a", "#na"}
+
 # The kinds by their --task name; the first is the default.
 KINDS = {task.kind: task for task in (SingleLabel, MultiLabel, Regression)}
 
@@ -402,6 +427,24 @@ def count_rows(rows: list[int], shown: int = 5) -> str:
     """'rows 3, 8 and 2 more have': the first few row numbers of a list, and how many there are."""
     listed = ", ".join(map(str, rows[:shown])) + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
     return f"row {listed} has" if len(rows) == 1 else f"{len(rows)} rows ({listed}) have"
+
+
+def count_values(values: list, noun: str, shown: int = 10) -> str:
+    """"3 classes ('a', 'b', 'c')": how many values, and the first `shown` of them."""
+    listed = ", ".join(map(repr, values[:shown])) + (f" and {len(values) - shown} more" if len(values) > shown else "")
+    plural = noun if len(values) == 1 else noun[:-1] + "ies" if noun.endswith("y") else noun + (
+        "es" if noun.endswith("s") else "s")
+    return f"{len(values)} {plural} ({listed})"
+
+
+def is_number(label) -> bool:
+    """Whether a label is a number, or a string that reads as one."""
+    if isinstance(label, str):
+        try:
+            float(label)
+        except ValueError:
+            return False
+    return isinstance(label, (str, int))
 
 
 def format_score(value: Optional[float]) -> str:

@@ -1,0 +1,100 @@
+"""A diverged run stops before it saves (textclf/divergence.py): one line naming the step, its likely cause and
+the last good checkpoint; no checkpoint of non-finite weights is written; a step the fp16 loss scaler skipped is
+not a divergence; rotation keeps the newest checkpoint."""
+
+import json
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from conftest import REPO, TINY, assert_refused, train_forked
+from textclf.checkpoint import complete, complete_checkpoints, rotate
+from textclf.divergence import DivergenceWatch
+from textclf.errors import InputError
+
+NAN, INF = torch.tensor(math.nan), torch.tensor(math.inf)
+
+
+@pytest.fixture
+def accelerator():
+    return Accelerator(cpu=True)
+
+
+def checkpoint(output_dir, step, **metrics):
+    folder = output_dir / f"step_{step}"
+    folder.mkdir(parents=True)
+    complete(str(folder), {"step": step, "epoch": 0, "batch_in_epoch": step, "metrics": metrics})
+    return folder
+
+
+def test_a_non_finite_loss_or_gradient_norm_stops_at_the_next_check_naming_the_step(accelerator, tmp_path):
+    last_good = checkpoint(tmp_path, 2)
+    watch = DivergenceWatch(accelerator, 1e30, clipping=True, output_dir=str(tmp_path))
+    watch.add(3, torch.tensor(0.7), torch.tensor(2.0))
+    watch.check(3)  # finite: nothing to say
+    watch.add(4, torch.tensor(0.7), INF)
+    watch.add(5, NAN, NAN)  # the first bad step is the one named, not the last
+    with pytest.raises(InputError) as refused:
+        watch.check(5)
+    assert str(refused.value) == (
+        "training diverged at step 4: its gradient norm is not finite (NaN or inf); the learning rate 1e+30 is likely "
+        f"too high. Nothing of it was saved: the last good checkpoint is {last_good} (resumed, it repeats these "
+        "steps); start a new run with a lower --learning_rate")
+
+
+def test_a_step_the_fp16_loss_scaler_skipped_is_not_a_divergence(accelerator, tmp_path, monkeypatch):
+    """An overflow under fp16 (accelerate's GradScaler, DeepSpeed's loss scaler) gives an inf gradient norm, and the
+    optimizer skips the step: nothing reached the weights. fp16 does not run on a CPU, so the skip is accelerate's
+    flag, set as an overflow sets it."""
+    watch = DivergenceWatch(accelerator, 2e-5, clipping=False, output_dir=str(tmp_path))
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(lambda self: True))
+    watch.add(1, INF, INF)
+    watch.check(1)
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(lambda self: False))
+    watch.add(2, torch.tensor(0.7), torch.tensor(3.0))
+    watch.check(2)
+    watch.add(3, NAN)
+    with pytest.raises(InputError, match=r"^training diverged at step 3: its loss is not finite .* no checkpoint was "
+                                         r"saved before it; start a new run with a lower --learning_rate \(or clip "
+                                         r"gradients with --max_grad_norm 1.0\)$"):
+        watch.check(3)
+
+
+def test_non_finite_weights_are_caught_before_a_save_even_where_the_loss_was_finite(accelerator, tmp_path):
+    model = torch.nn.Linear(4, 2)
+    watch = DivergenceWatch(accelerator, 1e30, clipping=True, output_dir=str(tmp_path))
+    watch.add(1, torch.tensor(0.7), torch.tensor(1.0))
+    watch.check(1, model)
+    with torch.no_grad():
+        model.weight[0, 0] = math.inf
+    with pytest.raises(InputError, match="^training diverged at step 1: the weights it reached are not finite"):
+        watch.check(1, model)
+
+
+def test_rotation_keeps_the_newest_checkpoint_beside_the_best(tmp_path):
+    for step, f1 in [(2, 0.9), (4, 0.5), (6, 0.4)]:
+        checkpoint(tmp_path, step, eval_f1=f1)
+    rotate(str(tmp_path), keep=1, metric="eval_f1", protect=None)
+    assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [2, 6]  # the best, and the newest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_file", [None, REPO / "accelerate_configs" / "cpu.yaml"], ids=["1 process", "ddp"])
+def test_a_diverged_run_stops_before_it_saves_and_keeps_the_last_good_checkpoint(tmp_path, reviews_csv, cache_dir,
+                                                                                 config_file):
+    """--learning_rate 1e30: step 1 moves the weights to about 1e30 (finite: saved), step 2's loss is NaN. It is
+    logged only at step 3, and the save at step 2 must catch it first, on every process alike."""
+    out = tmp_path / "out"
+    result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
+                           "--max_steps", 4, "--save_steps", 1, "--logging_steps", 3, "--save_total_limit", 1,
+                           "--learning_rate", 1e30], config_file=config_file, check=False)
+    assert_refused(result, f"training diverged at step 2: its loss and gradient norm are not finite (NaN or inf); "
+                           f"the learning rate 1e+30 is likely too high. Nothing of it was saved: the last good "
+                           f"checkpoint is {out / 'step_1'}")
+    assert sorted(path.name for path in out.iterdir() if "step_" in path.name) == ["step_1"]
+    weights = load_file(out / "step_1" / "model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    assert json.loads((out / "step_1" / "position.json").read_text())["step"] == 1
