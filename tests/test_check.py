@@ -453,7 +453,7 @@ def test_the_command_line_entry_point(tmp_path):
     variant = write_yaml(tmp_path / "cpu_fp16.yaml", "cpu.yaml", mixed_precision="fp16")
     bad = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", str(variant), "--target", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "conflict: precision:" in bad.stderr
+    assert bad.returncode == 1 and "conflict: precision (" in bad.stderr
 
 
 # --- the check against what `accelerate launch` really runs ---
