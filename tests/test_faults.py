@@ -413,6 +413,43 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
 
 
+def test_a_full_disk_while_the_lock_is_written_is_one_line_and_leaves_no_lock_file(tmp_path):
+    taking = ("import sys\n"
+              "from textclf.checkpoint import take_lock\n"
+              "from textclf.errors import run_command\n"
+              "run_command(lambda: take_lock(sys.argv[1]))\n")
+    with full_disk(tmp_path / "disk", 0) as (out, limit):
+        result = run_limited([sys.executable, "-c", taking, str(out)], limit)
+        reason = "File too large" if limit else "No space left on device"
+        assert result.returncode == 2 and result.stderr.startswith(f"error: cannot lock {out}: {reason} ("), \
+            result.stderr
+        assert len(result.stderr.splitlines()) == 1 and os.listdir(out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["textclf.predict", "textclf.report"])
+def test_a_full_disk_under_predict_or_report_is_one_line_and_leaves_nothing_half_written(
+        tmp_path, tiny_model, reviews_csv, module):
+    """predict's --output (the rows do not fit), report's picture (report.json fits, the picture does not)."""
+    free, written, args = ((50, "pred.csv", ["--file", reviews_csv, "--output", "{out}/pred.csv"])
+                           if module == "textclf.predict" else
+                           (8 * 1024, "report/confusion_matrix.png",
+                            ["--file", reviews_csv, "--label_column", "label", "--no_baseline", "--output_dir",
+                             "{out}/report"]))
+    with full_disk(tmp_path / "disk", free) as (out, limit):
+        command = [sys.executable, "-m", module, "--model", str(tiny_model),
+                   *[str(arg).format(out=out) for arg in args]]
+        result = run_limited(command, limit)
+        reason = "File too large" if limit else "No space left on device"
+        errors = error_lines(result.stderr)
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+        assert errors[0].startswith(f"error: cannot write {out / written}: {reason} (") and \
+            "Traceback" not in result.stderr, result.stderr[-3000:]
+        left = [str(path.relative_to(out)) for path in out.rglob("*")]
+        assert not [name for name in left if "incomplete" in name or name.endswith(".tmp")], left
+        assert written not in left
+
+
 def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_model):
     import pickle
 
