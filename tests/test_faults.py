@@ -573,12 +573,16 @@ def test_a_benchmark_stopped_mid_row_leaves_no_process_behind(tmp_path, reviews_
 
 
 @pytest.mark.slow
-def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_behind(tmp_path, args):
+@pytest.mark.parametrize("how", ["timeout", "SIGTERM"])
+def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_behind(tmp_path, args, how):
+    """`timeout` (SIGTERM to the launch's process group), or a SIGTERM to `accelerate launch` alone (a scheduler,
+    `kill`): torchrun passes it on to both ranks, which checkpoint at the next log line and stop."""
     out = tmp_path / "out"
-    process = launch(["timeout", "900", *train_command([*args, "--max_steps", 500, "--output_dir", out], CPU_YAML)])
+    command = train_command([*args, "--max_steps", 500, "--output_dir", out], CPU_YAML)
+    process = launch(["timeout", "900", *command] if how == "timeout" else command)
     wait_until(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 2, "training has begun")
     started = descendants(process)
-    stop(process, "timeout")
+    stop(process, how)
     output = finish(process, timeout=300)
     wait_until(lambda: all_gone(started), "every process of the launch has ended", timeout=120)
     last = max(losses(out))
