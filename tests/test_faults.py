@@ -373,7 +373,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resum
     # 3 MiB: step_4's weights (2.4 MiB) fit, its optimizer state (4.7 MiB) does not.
     with full_disk(tmp_path / "disk", 3 * MiB, four_step_run / "step_2") as (out, limit):
         result = run_limited(train_command([*run, "--output_dir", out, "--resume", "latest"]), limit)
-        assert_refused(result, f"cannot save checkpoint {out / 'step_4'}")
+        assert_refused(result, f"cannot save checkpoint {out / 'step_4'}: "
+                               + ("File too large" if limit else "No space left on device"))  # not torch's words
         assert f"free space (or choose another --output_dir), then continue with --resume latest (the newest " \
                f"complete checkpoint, {out / 'step_2'}, is untouched)" in result.stderr
         assert sorted(p.name for p in out.iterdir()) == [".lock", "log.jsonl", "run.json", "step_2"]
