@@ -744,7 +744,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
     advice = continue_advice(output_dir)
-    checked_on_main_process(accelerator, lambda: new_checkpoint_folder(tmp, final, advice))
+    if accelerator.is_main_process:
+        new_checkpoint_folder(tmp, final, advice)
+    accelerator.wait_for_everyone()
     try:
         accelerator.save_state(tmp)
     except WRITE_ERRORS as e:
