@@ -590,7 +590,8 @@ def take_lock(output_dir: str):
         failure = write_failed("lock", output_dir, e, "free space, or choose another --output_dir")
         with contextlib.suppress(OSError):
             os.unlink(path)
-            lock_file.close()
+        with contextlib.suppress(OSError):
+            lock_file.close()  # a buffered write that cannot be flushed fails again here
         raise failure from None
     _held_locks.append(lock_file)
     return lock_file
