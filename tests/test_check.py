@@ -12,7 +12,7 @@ import yaml
 
 from conftest import REPO, TINY, run_train
 from textclf import check
-from textclf.config import parse_config
+from textclf.config import DATA_FORMATS, parse_config
 from textclf.theory import model_state_bytes
 
 ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -302,7 +302,8 @@ def test_fp16_is_refused_for_a_machine_without_cuda_and_accepted_for_a_gpu_machi
     status, _, err = run_check(capsys, "--config_file", variant, "--target", "cpu")
     assert status == 1
     [line] = conflicts(err)
-    assert f"{variant} mixed_precision is fp16" in line and "no CUDA GPU" in line
+    assert f"precision ({variant} mixed_precision): mixed_precision fp16 needs a CUDA GPU" in line
+    assert "no CUDA GPU" in line
     status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda")
     assert status == 0, err
 
@@ -315,11 +316,26 @@ def test_torch_compile_in_a_yaml_passes_the_check(capsys, tmp_path):
 
 
 def test_fp16_and_fsdp_from_the_gpu_zoo_are_refused_for_a_machine_without_cuda(capsys):
-    for name in ("ddp_fp16.yaml", "fsdp.yaml"):
+    from textclf.launch import cuda_only
+
+    for name, rule in (("ddp_fp16.yaml", cuda_only(None, "fp16")), ("fsdp.yaml", cuda_only("FSDP", "no"))):
         status, _, err = run_check(capsys, "--config_file", f"accelerate_configs/{name}", "--target", "cpu")
         assert status == 1
         [line] = conflicts(err)
-        assert name in line and "no CUDA GPU" in line
+        [(need, fix)] = rule  # the rule train.py refuses by (test_users.py), in the check's words
+        assert name in line and "no CUDA GPU" in line and need in line and fix in line
+
+
+def test_a_missing_data_file_is_an_error_and_num_processes_0_a_conflict(capsys, tmp_path):
+    status, _, err = run_check(capsys, "--data", tmp_path / "nowhere.csv", *NO_CACHE)
+    assert status == 2 and err.strip() == f"error: data not found: {tmp_path / 'nowhere.csv'}; check the path " \
+        f"(expected {DATA_FORMATS})"
+    variant = write_yaml(tmp_path / "none.yaml", "cpu.yaml", num_processes=0)
+    status, _, err = run_check(capsys, "--config_file", variant, *NO_CACHE)
+    assert status == 1
+    [line] = conflicts(err)
+    assert line == f"conflict: {variant}: num_processes 0; a launch needs at least 1 process (num_processes " \
+        "counts those of all machines together)"
 
 
 def test_zero3_without_16bit_gather_on_save_would_export_no_weights(capsys, tmp_path):
@@ -436,7 +452,7 @@ def test_the_command_line_entry_point(tmp_path):
     variant = write_yaml(tmp_path / "cpu_fp16.yaml", "cpu.yaml", mixed_precision="fp16")
     bad = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", str(variant), "--target", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "conflict: precision:" in bad.stderr
+    assert bad.returncode == 1 and "conflict: precision (" in bad.stderr
 
 
 # --- the check against what `accelerate launch` really runs ---

@@ -144,3 +144,30 @@ def test_where_decoding_fails_is_found_across_chunks(tmp_path, rows, encoding):
     for chunk_size in (7, 64, 1 << 24):  # a multi-byte character cut by every chunk boundary, or none
         assert undecodable(path, encoding, chunk_size) == f"byte 0xff at line {line}, column {column}"
         assert undecodable(write(tmp_path / "good.jsonl", good), encoding, chunk_size) is None
+
+
+@pytest.mark.parametrize("damage", ["truncated tokenizer.json", "truncated vocab.txt", "missing vocab.txt"])
+def test_a_damaged_tokenizer_cache_is_one_line_and_learnt_again_once_deleted(tmp_path, damage):
+    """A learnt tokenizer is cached with the sha256 of its files: a damaged one is refused, naming the folder, not
+    loaded as another vocabulary (a truncated vocab.txt loads without a word) or failed on in the tokenizers
+    library."""
+    import shutil
+
+    from textclf.errors import InputError
+    from textclf.modeling import get_tokenizer
+
+    texts = ["这家店的菜很好吃", "太难吃了，再也不会买了", "送餐很快", "质量很差"] * 20
+    learnt = get_tokenizer("scratch-tiny", texts, str(tmp_path), "key", 32)
+    folder = tmp_path / next(name for name in os.listdir(tmp_path) if name.startswith("tokenizer-key-"))
+    name = damage.split()[-1]
+    if damage.startswith("missing"):
+        (folder / name).unlink()
+    else:
+        (folder / name).write_bytes((folder / name).read_bytes()[:100])
+    with pytest.raises(InputError) as refused:
+        get_tokenizer("scratch-tiny", texts, str(tmp_path), "key", 32)
+    line = str(refused.value)
+    assert line.startswith(f"the tokenizer cached in {folder} is damaged (") and len(line.splitlines()) == 1
+    assert name in line and line.endswith("delete that folder, and the next run learns one again from the data")
+    shutil.rmtree(folder)
+    assert len(get_tokenizer("scratch-tiny", texts, str(tmp_path), "key", 32)) == len(learnt)

@@ -373,7 +373,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resum
     # 3 MiB: step_4's weights (2.4 MiB) fit, its optimizer state (4.7 MiB) does not.
     with full_disk(tmp_path / "disk", 3 * MiB, four_step_run / "step_2") as (out, limit):
         result = run_limited(train_command([*run, "--output_dir", out, "--resume", "latest"]), limit)
-        assert_refused(result, f"cannot save checkpoint {out / 'step_4'}")
+        assert_refused(result, f"cannot save checkpoint {out / 'step_4'}: "
+                               + ("File too large" if limit else "No space left on device"))  # not torch's words
         assert f"free space (or choose another --output_dir), then continue with --resume latest (the newest " \
                f"complete checkpoint, {out / 'step_2'}, is untouched)" in result.stderr
         assert sorted(p.name for p in out.iterdir()) == [".lock", "log.jsonl", "run.json", "step_2"]
@@ -412,6 +413,43 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
         from textclf.checkpoint import read_position
         from textclf.integrity import verify_files
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
+
+
+def test_a_full_disk_while_the_lock_is_written_is_one_line_and_leaves_no_lock_file(tmp_path):
+    taking = ("import sys\n"
+              "from textclf.checkpoint import take_lock\n"
+              "from textclf.errors import run_command\n"
+              "run_command(lambda: take_lock(sys.argv[1]))\n")
+    with full_disk(tmp_path / "disk", 0) as (out, limit):
+        result = run_limited([sys.executable, "-c", taking, str(out)], limit)
+        reason = "File too large" if limit else "No space left on device"
+        assert result.returncode == 2 and result.stderr.startswith(f"error: cannot lock {out}: {reason} ("), \
+            result.stderr
+        assert len(result.stderr.splitlines()) == 1 and os.listdir(out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["textclf.predict", "textclf.report"])
+def test_a_full_disk_under_predict_or_report_is_one_line_and_leaves_nothing_half_written(
+        tmp_path, tiny_model, reviews_csv, module):
+    """predict's --output (the rows do not fit), report's picture (report.json fits, the picture does not)."""
+    free, written, args = ((50, "pred.csv", ["--file", reviews_csv, "--output", "{out}/pred.csv"])
+                           if module == "textclf.predict" else
+                           (8 * 1024, "report/confusion_matrix.png",
+                            ["--file", reviews_csv, "--label_column", "label", "--no_baseline", "--output_dir",
+                             "{out}/report"]))
+    with full_disk(tmp_path / "disk", free) as (out, limit):
+        command = [sys.executable, "-m", module, "--model", str(tiny_model),
+                   *[str(arg).format(out=out) for arg in args]]
+        result = run_limited(command, limit)
+        reason = "File too large" if limit else "No space left on device"
+        errors = error_lines(result.stderr)
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+        assert errors[0].startswith(f"error: cannot write {out / written}: {reason} (") and \
+            "Traceback" not in result.stderr, result.stderr[-3000:]
+        left = [str(path.relative_to(out)) for path in out.rglob("*")]
+        assert not [name for name in left if "incomplete" in name or name.endswith(".tmp")], left
+        assert written not in left
 
 
 def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_model):
@@ -537,12 +575,16 @@ def test_a_benchmark_stopped_mid_row_leaves_no_process_behind(tmp_path, reviews_
 
 
 @pytest.mark.slow
-def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_behind(tmp_path, args):
+@pytest.mark.parametrize("how", ["timeout", "SIGTERM"])
+def test_a_training_launch_stopped_by_timeout_checkpoints_and_leaves_no_process_behind(tmp_path, args, how):
+    """`timeout` (SIGTERM to the launch's process group), or a SIGTERM to `accelerate launch` alone (a scheduler,
+    `kill`): torchrun passes it on to both ranks, which checkpoint at the next log line and stop."""
     out = tmp_path / "out"
-    process = launch(["timeout", "900", *train_command([*args, "--max_steps", 500, "--output_dir", out], CPU_YAML)])
+    command = train_command([*args, "--max_steps", 500, "--output_dir", out], CPU_YAML)
+    process = launch(["timeout", "900", *command] if how == "timeout" else command)
     wait_until(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 2, "training has begun")
     started = descendants(process)
-    stop(process, "timeout")
+    stop(process, how)
     output = finish(process, timeout=300)
     wait_until(lambda: all_gone(started), "every process of the launch has ended", timeout=120)
     last = max(losses(out))

@@ -275,7 +275,7 @@ def test_a_collective_whose_peer_ended_is_told_apart_from_a_failed_write(peer_go
 
 def test_a_save_that_fails_because_a_rank_died_does_not_blame_the_disk(peer_gone, tmp_path):
     def save_state(folder):
-        os.makedirs(folder)
+        os.makedirs(folder, exist_ok=True)  # as accelerate's save_state makes it
         raise peer_gone  # as DeepSpeed's collective save raises it on rank 0
 
     accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, save_state=save_state)

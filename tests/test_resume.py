@@ -329,7 +329,16 @@ BAD_RESUMES = {
         [], "random_states_0.pkl is not among the files it recorded"),
     "string step": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(step="2")), [],
                     'position.json: step is "2", expected a whole number >= 0'),
+    "position.json edited by hand": (lambda src, tmp: corrupt_copy(src, tmp / "c", lambda folder: (
+        folder / "position.json").write_text((folder / "position.json").read_text().replace('"step": 2', '"step": 3'))),
+        [], "position.json is not the file that was saved (its sha256 differs)"),
+    "unlisted custom state": (lambda src, tmp: corrupt_copy(src, tmp / "c", lambda folder: shutil.copy(
+        folder / "random_states_0.pkl", folder / "custom_checkpoint_0.pkl")), [],
+        "custom_checkpoint_0.pkl is not among the files it recorded (accelerate would load it as the state of an "
+        "object this run does not register); remove it"),
     "step past the end": (lambda src, tmp: src, ["--max_steps", "1"], "step is 2, past the end of this run at step 1"),
+    "flags that conflict with it": (lambda src, tmp: src, ["--model", "scratch-mini", "--per_device_train_batch_size",
+                                                           "4"], "it was made with model = scratch-tiny"),
     "another model": (lambda src, tmp: src, ["--model", "scratch-mini"], "made with model = scratch-tiny"),
     "other data": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(data_fingerprint="0" * 16)), [],
                    "made with training data = 0000000000000000"),

@@ -188,6 +188,8 @@ BAD_INPUTS = {
     "malformed json lines": (lambda d: ["--data", _write(d / "m.jsonl", '{"review": "好", "label": 1}\n{oops\n')],
                              "cannot parse"),
     "unknown config key": (lambda d: ["--batch_size", "8"], "unknown config key(s) --batch_size"),
+    "unknown encoding": (lambda d: ["--encoding", "nonsense-enc"],
+                         "--encoding nonsense-enc: not an encoding Python knows; give the file's encoding"),
     "zero batch size": (lambda d: ["--per_device_train_batch_size", "0"],
                         "per_device_train_batch_size must be a positive integer, got 0"),
     "negative batch size": (lambda d: ["--per_device_eval_batch_size", "-1"],

@@ -437,6 +437,44 @@ def test_what_the_machine_lacks_is_refused_before_transformers_or_the_data(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs FSDP")
+def test_fsdp_on_a_machine_without_cuda_is_refused_by_the_check_s_rule_not_run_as_ddp(tmp_path):
+    """accelerate would run an FSDP launch on a CPU as plain DDP without a word: train.py refuses it, by the rule
+    the check calls a conflict (launch.cuda_only), before transformers or the data."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from textclf.launch import cuda_only
+
+    [(need, fix)] = cuda_only("FSDP", "no")
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--output_dir", str(tmp_path / "out")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "ACCELERATE_USE_FSDP": "true"})  # what fsdp.yaml's launch sets
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert said == [f"error: {need}, and this machine has none: {fix}"], result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert not {"transformers", "datasets", "deepspeed"} & imported
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU runs FSDP")
+def test_fsdp_yaml_launched_on_a_machine_without_cuda_is_one_line_not_a_silent_ddp_run(tmp_path, reviews_csv):
+    from conftest import REPO, TINY, run_train
+
+    out = tmp_path / "out"
+    result = run_train([*TINY, "--data", reviews_csv, "--max_steps", 2, "--output_dir", out],
+                       config_file=REPO / "accelerate_configs" / "fsdp.yaml",
+                       extra_launch_args=["--num_processes", "2"], check=False)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(said) == 1 and "distributed_type FSDP needs CUDA GPUs" in said[0], \
+        result.stderr[-3000:]
+    assert "MULTI_CPU" not in result.stdout and not out.exists()
+
+
 def test_a_deepspeed_json_hard_coding_the_accumulation_is_refused_before_torch_is_imported(tmp_path):
     """Accelerate would take the JSON's accumulation with a warning while train.py's schedule counts its own."""
     import json

@@ -25,7 +25,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-from .config import TrainConfig, parse_config
+from .config import TrainConfig, parse_config, require_data
 from .errors import InputError, run_command
 
 PRECISIONS = ("no", "fp16", "bf16")
@@ -65,7 +65,7 @@ import torch
 from .checkpoint import accumulation_for, check_launch, choose_checkpoint, read_verified_position
 from .data import sample_key
 from .job import load_data
-from .launch import deepspeed_conflicts, fewer_processes, zero_offload
+from .launch import cuda_only, deepspeed_conflicts, fewer_processes, zero_offload
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
@@ -140,7 +140,7 @@ def read_launch(args: argparse.Namespace) -> dict:
         source = "the default (no mixed_precision anywhere)"
     return {"path": path, "distributed_type": distributed_type, "yaml_distributed_type": yaml_distributed_type(path),
             "launcher": launcher, "num_processes": processes, "num_machines": launch_args.num_machines or 1,
-            "requested_processes": launch_args.num_processes or 1,
+            "requested_processes": 1 if launch_args.num_processes is None else launch_args.num_processes,
             "mixed_precision": env["ACCELERATE_MIXED_PRECISION"], "precision_source": source,
             "precision_from_yaml": precision_from_yaml and not args.mixed_precision, "environment": env,
             "deepspeed_config_file": getattr(launch_args, "deepspeed_config_file", None),
@@ -262,6 +262,9 @@ def check_topology(launch: dict, conflicts: list[str]) -> None:
     """The yaml mistakes that make `accelerate launch` start something other than what it says."""
     path, kind = launch["path"], launch["yaml_distributed_type"]
     processes, machines = launch["num_processes"], launch["num_machines"]
+    if launch["requested_processes"] < 1:
+        conflicts.append(f"{path or 'the launch line'}: num_processes {launch['requested_processes']}; a launch "
+                         "needs at least 1 process (num_processes counts those of all machines together)")
     shortfall = fewer_processes(processes, launch["requested_processes"], kind, path)
     if shortfall:
         conflicts.append(shortfall)
@@ -286,12 +289,10 @@ def check_machine(launch: dict, precision: str, source: str, target: str,
     if has_cuda(target):
         return
     machine = "this machine" if target == "here" else "the target machine (--target cpu)"
-    if precision == "fp16":
-        conflicts.append(f"precision: {source} is fp16, but {machine} has no CUDA GPU: train.py refuses fp16 there "
-                         "(on a CPU it would silently run fp32); use bf16 or no, or --target cuda for a GPU machine")
-    if launch["distributed_type"] == "FSDP":
-        conflicts.append(f"{launch['path']} is FSDP, but {machine} has no CUDA GPU: FSDP runs on GPUs only here; "
-                         "use accelerate_configs/zero3.yaml (the same sharding, tested on CPU) or --target cuda")
+    for need, fix in cuda_only(launch["distributed_type"], precision):  # train.py refuses the same (launch.py)
+        where = f"precision ({source})" if need.startswith("mixed_precision") else launch["path"]
+        conflicts.append(f"{where}: {need}, and {machine} has no CUDA GPU: train.py refuses it there; {fix}, or "
+                         "--target cuda for a GPU machine")
     if precision == "bf16" and not cpu_has_native_bf16():
         warnings.append(f"precision: {source} is bf16, but this CPU has no native bf16 (avx512_bf16 or amx_bf16 "
                         "in /proc/cpuinfo): expect bf16 to run about 10x slower than fp32 here")
@@ -402,6 +403,7 @@ def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
 
 def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """(report lines, warnings, conflicts) for one launch."""
+    require_data(cfg.data, cfg.eval_data)  # as train.py: a data file that is not there is an error, not a warning
     launch = read_launch(args)
     conflicts, warnings = [], []
     kind, world, machines = launch["distributed_type"], launch["num_processes"], launch["num_machines"]

@@ -17,6 +17,7 @@ deleted folder that looks like a checkpoint. What a killed run leaves (`.incompl
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # accelerate is imported where it is used: a resume is checked before torch loads (train.py)
     from accelerate import Accelerator
 
+from . import files
 from .errors import PEER_ENDED, WRITE_ERRORS, InputError, checked_on_main_process, gist, peer_ended, write_failed
 
 POSITION = "position.json"
@@ -77,16 +79,20 @@ def identity(cfg, run: dict, data_fingerprint: str) -> dict:
 
 
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
-    """Write through a temporary file and a rename, so readers never see half a file."""
+    """Write through a temporary file and a rename, so readers never see half a file (and never through a
+    symbolic link: textclf/files.py)."""
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with files.open_new(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise write_failed("write", path, e, advice) from None
+        failure = write_failed("write", path, e, advice)
+        with contextlib.suppress(OSError):
+            files.remove(tmp)
+        raise failure from None
 
 
 def read_position(checkpoint: str) -> dict:
@@ -384,9 +390,11 @@ def refuse_if_in_use(output_dir: str) -> None:
     probes of this same run.
     """
     path = os.path.join(output_dir, LOCK)
-    if not os.path.isfile(path):
+    try:
+        f = files.open_existing(path, "r", encoding="utf-8")
+    except OSError:  # none yet; or not a file, or a link, which claim_output_dir refuses
         return
-    with open(path, encoding="utf-8") as f:
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -454,8 +462,8 @@ def take_lock(output_dir: str):
     path = os.path.join(output_dir, LOCK)
     # A few tries: another run's refuse_if_in_use holds a shared lock for a moment.
     for attempt in range(20):
-        try:
-            lock_file = open(path, "a+", encoding="utf-8")
+        try:  # never through a link planted in its place (textclf/files.py)
+            lock_file = files.open_lock(path)
         except OSError as e:
             raise write_failed("lock", output_dir, e, "make it writable, or choose another --output_dir") from None
         try:
@@ -479,11 +487,19 @@ def take_lock(output_dir: str):
         lock_file.close()
     else:
         raise in_use(output_dir, "")
-    lock_file.seek(0)
-    lock_file.truncate()
-    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S %z')}, {' '.join(sys.argv)[:200]}\n")
-    lock_file.flush()
+    try:
+        lock_file.seek(0)
+        lock_file.truncate()
+        lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S %z')}, {' '.join(sys.argv)[:200]}\n")
+        lock_file.flush()
+    except OSError as e:  # a full disk: no lock file without its holder is left behind (unlinked while held)
+        failure = write_failed("lock", output_dir, e, "free space, or choose another --output_dir")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            lock_file.close()  # a buffered write that cannot be flushed fails again here
+        raise failure from None
     _held_locks.append(lock_file)
     return lock_file
 
@@ -503,10 +519,11 @@ def delete_folder(path: str) -> None:
     folder under a checkpoint's name."""
     parent, name = os.path.split(os.path.normpath(path))
     doomed = os.path.join(parent, DELETING + name)
-    try:
-        shutil.rmtree(doomed, ignore_errors=True)
+    try:  # a link in place of a checkpoint is removed as a link, never walked into (textclf/files.py)
+        with contextlib.suppress(OSError):
+            files.remove(doomed)
         os.rename(path, doomed)
-        shutil.rmtree(doomed)
+        files.remove(doomed)
     except OSError as e:
         raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
@@ -585,35 +602,47 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     final = checkpoint_folder(output_dir, position["step"])
     tmp = os.path.join(output_dir, f"{INCOMPLETE}step_{position['step']}")
     advice = continue_advice(output_dir)
-    if accelerator.is_main_process and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # left by a run killed while saving
+    if accelerator.is_main_process:
+        new_checkpoint_folder(tmp, final, advice)
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(tmp)
     except WRITE_ERRORS as e:
+        if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
+            failure = InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its "
+                                 f"own message or the launcher's report says why); "
+                                 f"{continue_advice(output_dir, free_space=False)}")
+        else:  # said before the space is given back: a full disk is told by its free space
+            failure = write_failed("save checkpoint", final, e, advice)
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
-        if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
-            raise InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its own "
-                             f"message or the launcher's report says why); "
-                             f"{continue_advice(output_dir, free_space=False)}") from None
-        raise write_failed("save checkpoint", final, e, advice) from None
+        raise failure from None
     accelerator.wait_for_everyone()  # every rank writes its own files (RNG states, ZeRO shards) into tmp
     if accelerator.is_main_process:
         try:
             save_extra(tmp)
             complete(tmp, position, advice)
-            if os.path.exists(final):  # a re-run of a step: the new one replaces the old in one rename
+            if os.path.lexists(final):  # a re-run of a step: the new one replaces the old in one rename
                 delete_folder(final)
             os.replace(tmp, final)
         except WRITE_ERRORS as e:
+            failure = write_failed("save checkpoint", final, e, advice)
             shutil.rmtree(tmp, ignore_errors=True)
-            raise write_failed("save checkpoint", final, e, advice) from None
+            raise failure from None
         except InputError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     accelerator.wait_for_everyone()
     return final
+
+
+def new_checkpoint_folder(tmp: str, final: str, advice: str) -> None:
+    """The folder a checkpoint is saved into, made afresh (what a run killed while saving left there is removed,
+    and a link planted in its place is removed, never written through: textclf/files.py)."""
+    try:
+        files.new_folder(tmp)
+    except OSError as e:
+        raise write_failed("save checkpoint", final, e, advice) from None
 
 
 def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],

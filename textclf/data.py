@@ -78,6 +78,12 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
     if path == DEFAULT_DATA and not os.path.exists(path):
         build_default_corpus(path)
     require_data(path)
+    if encoding:
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise InputError(f"--encoding {encoding}: not an encoding Python knows; give the file's encoding, e.g. "
+                             "utf-8, gb18030, big5, shift_jis or latin-1") from None
     if os.path.isdir(path):
         table = load_folder(path)
     else:

@@ -8,6 +8,7 @@ cause instead of pointing to a traceback a user's error does not have.
 """
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -27,9 +28,19 @@ class InputError(Exception):
     one line (one per line of the message), exit code 2, nothing half written."""
 
 
-# What a failed write raises: OSError from Python, RuntimeError from torch.save ("unexpected pos ...", the
-# errno is lost), SafetensorError from safetensors.
+# What a failed write may raise: OSError from Python, RuntimeError from torch.save ("unexpected pos ...", the
+# errno is lost), SafetensorError from safetensors. A RuntimeError is also what an out-of-memory error and a
+# failed collective are: write_failed tells them apart.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# torch.save's words for a write that failed (its stream writer, PyTorchStreamWriter in inline_container.cc).
+TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed")
+# A file system that refused a write with less free space than this is full: a write that does not fit fills it
+# to its last blocks before it fails.
+FULL_BELOW_BYTES = 2 ** 20
+OUT_OF_MEMORY_ADVICE = ("the disk is not the cause: free memory (a smaller --per_device_train_batch_size or "
+                        "--per_device_eval_batch_size, fewer processes per GPU, or an offload file such as "
+                        "accelerate_configs/zero3_offload.yaml: a ZeRO-3 save gathers the 16-bit weights on each "
+                        "GPU), then run again")
 # What a rank says when a collective failed because another rank ended (killed, or stopped by its own error).
 PEER_ENDED = "another process of this run ended"
 # How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it once rank 0
@@ -131,18 +142,47 @@ def actionable(record: logging.LogRecord) -> bool:
 logging.getLogger("DeepSpeed").addFilter(actionable)
 
 
-def write_failed(what: str, path: str, error: Exception, advice: str) -> InputError:
-    """A write that failed (full disk, quota, file size limit, permissions) as one line: what could not be
-    written, why, what this machine says about it, and what to do."""
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an out-of-memory error: torch's (CUDA's, which ZeRO-3 may raise while it gathers the
+    weights to save them), or the words of a library that reports one as a plain RuntimeError."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return isinstance(error, (RuntimeError, MemoryError)) and "out of memory" in str(error).lower()
+
+
+def write_failed(what: str, path: str, error: Exception, advice: str) -> Exception:
+    """A write that failed (full disk, quota, file size limit, permissions, a symbolic link in the way) as one
+    line: what could not be written, why, what this machine says about it, and what to do.
+
+    Its true cause first: an out-of-memory error or a collective whose peer ended is said as such, not as a
+    failed write, and a RuntimeError that is none of these nor torch.save's failed write is returned as it is
+    (a bug keeps its traceback). torch.save loses the errno: a file system left (nearly) full is named full."""
+    if out_of_memory(error):
+        return InputError(f"cannot {what} {path}: out of memory ({gist(error)}); {OUT_OF_MEMORY_ADVICE}")
+    if peer_ended(error):
+        return InputError(f"cannot {what} {path}: {PEER_ENDED} ({gist(error)}); its own message or the launcher's "
+                          "report says why")
+    if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILED.search(str(error)):
+        return error
+    link = error.filename if isinstance(error, OSError) and error.errno in (errno.ELOOP, errno.EEXIST) else None
+    if isinstance(link, str) and os.path.islink(link):  # textclf/files.py: O_NOFOLLOW, O_EXCL
+        return InputError(f"cannot {what} {path}: {link} is a symbolic link (to {os.readlink(link)}), and a run "
+                          "never writes through one; remove the link (or choose another folder), then run again")
     reason = (error.strerror if isinstance(error, OSError) and error.strerror else
               (str(error).strip().splitlines() or [type(error).__name__])[0])
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    facts = f"{shutil.disk_usage(existing).free / 2 ** 20:.1f} MiB free on its file system"
+    free = shutil.disk_usage(existing).free
+    facts = f"{free / 2 ** 20:.1f} MiB free on its file system"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY:
         facts += f", files limited to {limit} bytes for this process (ulimit -f)"
+    if not isinstance(error, OSError) and free < FULL_BELOW_BYTES:
+        reason = os.strerror(errno.ENOSPC)
+    elif not isinstance(error, OSError) and limit != resource.RLIM_INFINITY:
+        reason = os.strerror(errno.EFBIG)
     return InputError(f"cannot {what} {path}: {reason} ({facts}); {advice}")
 
 

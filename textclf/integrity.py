@@ -91,6 +91,11 @@ def verify_files(checkpoint: str, position: dict) -> None:
     problems += [f"{name} is not among the files it recorded" for name, pattern in
                  required_states(position["world_size"], position["zero_stage"])
                  if not any(re.fullmatch(pattern, recorded) for recorded in files)]
+    # accelerate's load_state also reads every custom_checkpoint_<i>.pkl it finds, as the state of an object
+    # registered for checkpointing (train.py registers none), and fails on one it has no object for.
+    problems += [f"{name} is not among the files it recorded (accelerate would load it as the state of an object "
+                 "this run does not register); remove it" for name in sorted(os.listdir(checkpoint))
+                 if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name) and name not in files]
     for rank in range(position["world_size"]):  # what Accelerate would skip without a word
         name = f"random_states_{rank}.pkl"
         if name in files and not any(problem.startswith(name) for problem in problems):

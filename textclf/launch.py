@@ -50,11 +50,27 @@ def check_launch_early(cfg) -> None:
 
     from .tracking import check_trackers
 
-    if launch["mixed_precision"] == "fp16" and not torch.cuda.is_available():
-        raise InputError("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32); on this "
-                         "machine launch with bf16 or no (the launch line's or yaml's mixed_precision, or the "
-                         "DeepSpeed JSON's fp16.enabled)")
+    if not torch.cuda.is_available():
+        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        needs = cuda_only("FSDP" if fsdp else None, launch["mixed_precision"])
+        if needs:
+            raise InputError("\n".join(f"{need}, and this machine has none: {fix}" for need, fix in needs))
     check_trackers(cfg.report_to)
+
+
+def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str, str]]:
+    """(what needs CUDA, what to do instead) for each part of a launch that runs only on CUDA GPUs: the one rule
+    by which train.py refuses a launch on a machine without CUDA and the check calls it a conflict. Neither would
+    fail there: a CPU would run fp16 as fp32, and accelerate would run FSDP as plain DDP, without a word."""
+    needs = []
+    if precision == "fp16":
+        needs.append(("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32)",
+                      "launch with bf16 or no (the launch line's or the yaml's mixed_precision, or the DeepSpeed "
+                      "JSON's fp16.enabled)"))
+    if distributed_type == "FSDP":
+        needs.append(("distributed_type FSDP needs CUDA GPUs (on a CPU accelerate would silently run plain DDP "
+                      "instead)", "launch with accelerate_configs/zero3.yaml, the same sharding, which runs on a CPU"))
+    return needs
 
 
 def deepspeed_conflicts(ds: dict, ds_place: str, cfg, world: int) -> list[str]:

@@ -3,8 +3,8 @@
 (checkpoint.claim_output_dir), which imports this only when there is something to remove."""
 
 import os
-import shutil
 
+from . import files
 from .checkpoint import LEFTOVERS
 from .errors import write_failed
 
@@ -14,7 +14,7 @@ def remove_leftovers(output_dir: str) -> list[str]:
     removed = sorted(name for name in os.listdir(output_dir) if name.startswith(LEFTOVERS))
     for name in removed:
         try:
-            shutil.rmtree(os.path.join(output_dir, name))
+            files.remove(os.path.join(output_dir, name))
         except OSError as e:
             raise write_failed("remove the leftover", os.path.join(output_dir, name), e,
                                "delete it yourself, then run again") from None

@@ -11,9 +11,9 @@ folder as export wrote it, for peft's loaders, which load the base from that nam
 follow it for a folder that holds its own config.json.)
 """
 
+import contextlib
 import glob
 import os
-import shutil
 from contextlib import contextmanager
 from typing import Optional
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from . import files
 from .checkpoint import write_json
 from .data import length_sorted_loader, tokenize
 from .errors import WRITE_ERRORS, InputError, verbose, write_failed
@@ -108,9 +109,9 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     expected = predict_logits(model, tokenizer, PROBE_TEXTS)
     parent, name = os.path.split(os.path.abspath(target))
     tmp = os.path.join(parent, f".{name}.incomplete")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
     try:
         try:
+            files.new_folder(tmp)  # what an export that was killed left is removed, a link is not followed
             if isinstance(model, PeftModel) and not merge:
                 name_base(model, os.path.abspath(target))
                 # adapter_config.json, adapter_model.safetensors: the adapters and the head. No embedding layers:
@@ -141,7 +142,8 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
             raise write_failed("put the exported model in place at", target, e, "move the folder in the way "
                                "(or make it writable), then export again") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # already gone when it became the target
+        with contextlib.suppress(OSError):
+            files.remove(tmp)  # already gone when it became the target
     return target
 
 
@@ -166,13 +168,15 @@ def refuse_existing(target: str, overwrite: bool) -> None:
 
 
 def replace_folder(new: str, target: str) -> None:
-    """Put `new` at `target`; an old target is only deleted once the new one is in its place."""
+    """Put `new` at `target`; an old target is only deleted once the new one is in its place (a link at `target`
+    is replaced, never followed)."""
     old = f"{new}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(target):
+    files.remove(old)
+    if os.path.lexists(target):
         os.rename(target, old)
     os.rename(new, target)
-    shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        files.remove(old)
 
 
 def verify_weights(folder: str) -> None:

@@ -2,6 +2,7 @@
 and for the export; the offline default (a BERT built from config and a tokenizer learnt from the texts),
 anything `from_pretrained` loads, LoRA, AdamW's parameter groups."""
 
+import json
 import logging
 import os
 import pickle
@@ -27,6 +28,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
+from .checkpoint import sha256
 from .errors import InputError, say, verbose
 
 # The class of every model here (make_model), and the configs it has a class for (model_config): a fork that
@@ -122,7 +124,7 @@ def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length:
     start, learnt = time.perf_counter(), not os.path.isdir(folder)
     if learnt:
         train_tokenizer(texts, folder)
-    tokenizer = BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+    tokenizer = load_learnt_tokenizer(folder, max_length)
     if learnt:
         say(f"data: learnt a tokenizer of {len(tokenizer):,} tokens in {time.perf_counter() - start:.1f} s, cached "
             f"in {folder}")
@@ -151,6 +153,29 @@ def scratch_tokenizer_folder(cache_dir: str, texts_key: str) -> str:
     return os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{texts_key}-{SCRATCH_VOCAB_SIZE}")
 
 
+# In a learnt tokenizer's folder: the sha256 of each of its files, as learnt.
+LEARNT_FILES = "learnt_files.json"
+
+
+def load_learnt_tokenizer(folder: str, max_length: int):
+    """The tokenizer learnt into `folder`, refused in one line when its files are not those it was learnt with: a
+    damaged cache would otherwise fail in the tokenizers library, or load as another vocabulary without a word.
+    A folder cached before the files were recorded is checked by loading it alone."""
+    try:
+        recorded = {}
+        if os.path.exists(os.path.join(folder, LEARNT_FILES)):
+            with open(os.path.join(folder, LEARNT_FILES), encoding="utf-8") as f:
+                recorded = json.load(f)
+        changed = [name for name, digest in recorded.items() if sha256(os.path.join(folder, name)) != digest]
+        damage = f"{', '.join(changed)} changed since it was learnt" if changed else None
+        if not damage:
+            return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+    except (OSError, ValueError) as e:  # a file missing or unreadable; JSON that does not parse
+        damage = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise InputError(f"the tokenizer cached in {folder} is damaged ({damage}); delete that folder, and the next run "
+                     "learns one again from the data")
+
+
 def train_tokenizer(texts, folder: str) -> None:
     """A BERT WordPiece vocabulary learnt from the texts (every CJK character its own token)."""
     from tokenizers import BertWordPieceTokenizer
@@ -161,6 +186,9 @@ def train_tokenizer(texts, folder: str) -> None:
     os.makedirs(tmp, exist_ok=True)
     wordpiece.save_model(tmp)
     BertTokenizerFast(os.path.join(tmp, "vocab.txt")).save_pretrained(tmp)
+    digests = {name: sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, LEARNT_FILES), "w", encoding="utf-8") as f:
+        json.dump(digests, f, indent=2)
     try:
         os.replace(tmp, folder)
     except OSError:  # another run learnt the same vocabulary from the same texts and put it there first

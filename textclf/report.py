@@ -12,12 +12,14 @@ that trained the model (its training.json, or a checkpoint's position.json) unle
 """
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Optional
 
+from . import files
 from .config import DEFAULT_DATA, TrainConfig, require_data
-from .errors import InputError, die_with_launcher, run_command
+from .errors import InputError, die_with_launcher, run_command, write_failed
 from .tool_options import add_loading_options, add_task_options, require_trained_model
 
 REPORT = "report.json"
@@ -115,12 +117,21 @@ def pyplot():
 
 
 def save_figure(figure, path: str) -> None:
-    """Write the picture through a temporary file and a rename, then let the figure go."""
+    """Write the picture through a temporary file and a rename (never through a symbolic link:
+    textclf/files.py), then let the figure go."""
     figure.tight_layout()
     tmp = f"{path}.incomplete.png"
-    figure.savefig(tmp, dpi=120)
-    pyplot().close(figure)
-    os.replace(tmp, path)
+    try:
+        with files.open_new(tmp, "wb") as f:
+            figure.savefig(f, format="png", dpi=120)
+        os.replace(tmp, path)
+    except OSError as e:
+        failure = write_failed("write", path, e, "free space (or choose another --output_dir), then run again")
+        with contextlib.suppress(OSError):
+            files.remove(tmp)
+        raise failure from None
+    finally:
+        pyplot().close(figure)
 
 
 def draw_confusion_matrix(report: dict, title: str, path: str) -> None:
@@ -194,7 +205,11 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
         if "labels" in report:  # a task with a table per label
             print(classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
                                         digits=4, zero_division=0))
-        os.makedirs(args.output_dir, exist_ok=True)
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+        except OSError as e:
+            raise write_failed("create", args.output_dir, e, "choose another --output_dir, or make its parent "
+                               "writable") from None
         write_json(os.path.join(args.output_dir, REPORT), report)
         picture = task.picture
         if picture:

@@ -1,5 +1,6 @@
 """Where a run reports, all through `accelerator.log`: log.jsonl (the output contract) and the trackers."""
 
+import contextlib
 import importlib
 import json
 import os
@@ -18,6 +19,7 @@ from accelerate.tracking import (
 )
 from accelerate.utils import LoggerType
 
+from . import files
 from .checkpoint import continue_advice
 from .errors import InputError, write_failed
 
@@ -45,7 +47,7 @@ class JsonLinesTracker(GeneralTracker):
 
     def log(self, values: dict, step: Optional[int] = None, **kwargs) -> None:
         try:
-            with open(self.tracker, "a", encoding="utf-8") as f:
+            with files.open_append(self.tracker, encoding="utf-8") as f:  # never through a link in its place
                 f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         except OSError as e:
             raise write_failed("append to", self.tracker, e, continue_advice(self.output_dir)) from None
@@ -122,10 +124,13 @@ def keep_log_until(output_dir: str, step: int) -> None:
     else is not the trace of a kill, and stops the run.
     """
     path = os.path.join(output_dir, LOG)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
-    with open(path, "rb") as f:
-        lines = [line for line in f.read().split(b"\n") if line.strip()]
+    try:
+        with files.open_existing(path) as f:  # a link in its place is refused, not read and replaced
+            lines = [line for line in f.read().split(b"\n") if line.strip()]
+    except OSError as e:
+        raise write_failed("rewrite", path, e, "make it a file of this run's, then resume again") from None
     kept = []
     for number, line in enumerate(lines, start=1):
         try:
@@ -141,11 +146,14 @@ def keep_log_until(output_dir: str, step: int) -> None:
         if logged_at <= step:
             kept.append(line + b"\n")
     try:
-        with open(f"{path}.tmp", "wb") as f:
+        with files.open_new(f"{path}.tmp", "wb") as f:
             f.writelines(kept)
         os.replace(f"{path}.tmp", path)
     except OSError as e:
-        raise write_failed("rewrite", path, e, "free space or make it writable, then resume again") from None
+        failure = write_failed("rewrite", path, e, "free space or make it writable, then resume again")
+        with contextlib.suppress(OSError):
+            files.remove(f"{path}.tmp")
+        raise failure from None
 
 
 class Window:

@@ -12,6 +12,7 @@ import shutil
 import torch
 from accelerate import Accelerator
 
+from . import files
 from .checkpoint import UNIVERSAL, load_accelerate_state
 from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
 
@@ -54,8 +55,11 @@ def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
         refuse_round_robin(checkpoint)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
+        try:
+            files.new_folder(folder)
+        except OSError as e:
+            raise write_failed("convert to a universal checkpoint", checkpoint, e,
+                               f"make {output_dir} writable, then run again") from None
         for name in os.listdir(checkpoint):
             if name != DEEPSPEED_TAG:
                 os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(folder, name))
