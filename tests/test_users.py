@@ -411,8 +411,8 @@ def test_a_deepspeed_json_hard_coding_the_accumulation_is_refused_before_torch_i
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}))
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)}
-    result = subprocess.run([sys.executable, "-X", "importtime", "train.py"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, **env})
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--output_dir", str(tmp_path / "out")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 2, result.stderr[-2000:]
     assert (f"error: gradient_accumulation_steps: {ds} hard-codes 4, the training config has 1 "
             '(--gradient_accumulation_steps); set it to "auto"') in result.stderr
@@ -583,3 +583,16 @@ def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_unive
     with pytest.raises(InputError, match="cannot resume ck on 1 process with --load_best_model_at_end: its ZeRO "
                                          "states were saved by 2 processes"):
         checkpoint.needs_universal("ck", made, 1, True)
+
+
+def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monkeypatch):
+    """The quickstart leaves checkpoints/ holding a finished run, then the user runs the tests: every test runs
+    beside one (conftest puts one there for the session if there is none), so a test that falls back on the default
+    output folder fails here too, and the session fails if a test changed checkpoints/, data/ or wandb/."""
+    from conftest import REPO
+    from textclf.checkpoint import find_resume_checkpoint
+    from textclf.errors import InputError
+
+    monkeypatch.chdir(REPO)
+    with pytest.raises(InputError, match="checkpoints already holds checkpoints"):
+        find_resume_checkpoint(None, "checkpoints", overwrite=False)
