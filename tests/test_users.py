@@ -596,3 +596,32 @@ def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monk
     monkeypatch.chdir(REPO)
     with pytest.raises(InputError, match="checkpoints already holds checkpoints"):
         find_resume_checkpoint(None, "checkpoints", overwrite=False)
+
+
+@pytest.mark.parametrize("name", ["cpu", "ddp", "ddp_bf16", "ddp_fp16", "fsdp", "zero2", "zero2_offload", "zero3",
+                                  "zero3_offload"])
+def test_a_single_machine_zoo_file_takes_a_free_port_beside_another_launch(name, monkeypatch):
+    """A second launch on the same machine (while the first trains, or a test beside a run) does not collide at
+    torchrun's default port 29500, nor warn that it is taken: the file asks accelerate for a free port (0)."""
+    import socket
+    import warnings
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # accelerate's notes about the defaults it fills in
+        args, defaults = _validate_launch_command(launch_command_parser().parse_args(
+            ["--config_file", f"accelerate_configs/{name}.yaml", "train.py"]))[:2]
+    assert args.main_process_port == 0
+    # What accelerate's launch_command sets before its DeepSpeed launcher runs.
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    with socket.socket() as first_launch, warnings.catch_warnings():
+        first_launch.bind(("127.0.0.1", 29500))
+        first_launch.listen()
+        warnings.simplefilter("error")  # accelerate's "Port 29500 is already in use" is a warning
+        (prepare_deepspeed_cmd_env if args.use_deepspeed else prepare_multi_gpu_env)(args)
+    assert args.main_process_port not in (0, 29500)  # what torchrun is given

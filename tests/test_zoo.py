@@ -128,3 +128,4 @@ def test_forked_ranks_get_the_environment_accelerate_launch_gives(tmp_path, conf
         return {key: value for key, value in env.items() if key.startswith("ACCELERATE_") or key in LAUNCH_KEYS}
 
     assert [read(env) for env in forked] == [read(env) for env in real]
+
