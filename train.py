@@ -196,8 +196,9 @@ def main(cfg: TrainConfig) -> None:
             progress.update()
             stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
-                values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
-                accelerator.log(values, step=step)
+                values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0],
+                          "epoch": step / steps_per_epoch}  # fractional, as the Trainer logs it
+                tracking.log(accelerator, values, step)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
                 window = tracking.Window()
                 # All ranks agree here whether any was asked to stop: asking waits for the device, as
@@ -208,7 +209,7 @@ def main(cfg: TrainConfig) -> None:
             metrics = {}
             if step == total_steps or cadence.due(cfg.eval_strategy, cfg.eval_steps, step, steps_per_epoch):
                 metrics = evaluate_model(model, eval_loader, accelerator, task)
-                accelerator.log(metrics, step=step)
+                tracking.log(accelerator, metrics, step)
                 if cfg.load_best_model_at_end:
                     best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
                                               checkpoint.checkpoint_folder(cfg.output_dir, step),

@@ -132,6 +132,9 @@ def fresh_accelerator_state():
 
 def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_never_tensorboard(
         tmp_path, monkeypatch, fresh_accelerator_state):
+    """And the trackers get the Trainer's names (transformers' integrations): train/loss, train/learning_rate,
+    train/epoch (fractional), eval/<metric> in TensorBoard; loss, learning_rate, eval_<metric> in a tracker whose
+    Trainer callback keeps them flat; log.jsonl keeps its own keys."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
@@ -142,7 +145,7 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
 
     class Recorder(GeneralTracker):
         """A tracker registered the way accelerate documents (register_tracker_class): records its project."""
-        name, requires_logging_directory, projects = "recorder", False, []
+        name, requires_logging_directory, projects, logged = "recorder", False, [], []
 
         def __init__(self, project_name, **kwargs):
             super().__init__()
@@ -156,7 +159,7 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
             pass
 
         def log(self, values, step=None, **kwargs):
-            pass
+            Recorder.logged.append(values)
 
     monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, "recorder", Recorder)
     for project in (None, "reviews"):
@@ -168,16 +171,43 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
                                   project_dir=cfg.output_dir)
         tracking.start_trackers(accelerator, cfg.to_dict())
         for step in (1, 2):
-            accelerator.log({"loss": 1.0 / step}, step=step)
+            tracking.log(accelerator, {"loss": 1.0 / step, "lr": 0.25, "epoch": step / 4}, step)
+        tracking.log(accelerator, {"eval_accuracy": 0.75}, 2)
         accelerator.end_training()
         AcceleratorState._reset_state(True)
     assert Recorder.projects == [None, "reviews"]  # each tracker's own convention, or --project_name
     events = EventAccumulator(str(tmp_path / "None" / "tensorboard" / "first"))
     events.Reload()
-    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
-    # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call
+    assert set(events.Tags()["scalars"]) == {"train/loss", "train/learning_rate", "train/epoch", "eval/accuracy"}
+    assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 1.0), (2, 0.5)]
+    assert [event.value for event in events.Scalars("train/epoch")] == [0.25, 0.5]
+    assert Recorder.logged[:3] == [{"loss": 1.0, "learning_rate": 0.25, "epoch": 0.25},
+                                   {"loss": 0.5, "learning_rate": 0.25, "epoch": 0.5}, {"eval_accuracy": 0.75}]
+    # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call, in its own names
     logged = [json.loads(line) for line in (tmp_path / "None" / tracking.LOG).read_text().splitlines()]
-    assert [(row["step"], row["loss"]) for row in logged] == [(1, 1.0), (2, 0.5)]
+    assert [(row["step"], row["loss"], row["lr"]) for row in logged[:2]] == [(1, 1.0, 0.25), (2, 0.5, 0.25)]
+
+
+def test_report_to_all_names_the_trackers_it_chose_and_wandb_writes_under_the_output_folder(
+        tmp_path, monkeypatch, capsys, fresh_accelerator_state):
+    from accelerate import Accelerator
+
+    from textclf import tracking
+    from textclf.config import TrainConfig
+
+    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard"])
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    cfg = TrainConfig(report_to=["all"], output_dir=str(tmp_path / "out"))
+    accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir),
+                              project_dir=cfg.output_dir)
+    started = {}
+    init_trackers = accelerator.init_trackers
+    monkeypatch.setattr(accelerator, "init_trackers", lambda project, config, init_kwargs: (
+        started.update(init_kwargs), init_trackers(project, config=config, init_kwargs=init_kwargs)))
+    tracking.start_trackers(accelerator, cfg.to_dict())
+    accelerator.end_training()
+    assert "--report_to all: tensorboard, and log.jsonl" in capsys.readouterr().out
+    assert started["wandb"] == {"dir": cfg.output_dir}  # not ./wandb, the repository's root under a launch
 
 
 @pytest.mark.parametrize("project, variable, experiment", [
