@@ -38,10 +38,12 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
+from textclf.quiet import scoped
 from textclf.runtime import describe, exit_finished_run, make_accelerator
 from textclf.task import Task
 
 
+@scoped  # what the run sets in the libraries (quiet warnings and bars, signal handlers) is put back at its end
 def main(cfg: TrainConfig) -> None:
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}

@@ -580,8 +580,11 @@ def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkey
     import logging
 
     from textclf.errors import actionable
+    from textclf.quiet import run_scope
 
-    assert actionable in logging.getLogger("DeepSpeed").filters
+    with run_scope():  # a run's, put back at its end
+        assert actionable in logging.getLogger("DeepSpeed").filters
+    assert actionable not in logging.getLogger("DeepSpeed").filters
     record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, "Setting accelerator to "
                                "CPU. If you have GPU or other accelerator, we were unable to detect it.", None, None)
     assert not actionable(record)
@@ -655,3 +658,46 @@ def test_a_single_machine_zoo_file_takes_a_free_port_beside_another_launch(name,
         warnings.simplefilter("error")  # accelerate's "Port 29500 is already in use" is a warning
         (prepare_deepspeed_cmd_env if args.use_deepspeed else prepare_multi_gpu_env)(args)
     assert args.main_process_port not in (0, 29500)  # what torchrun is given
+
+
+def library_state() -> dict:
+    """What a run may change in this process: warning filters, DeepSpeed's logger filters, the libraries' bars, the
+    stop signals' handlers."""
+    import logging
+    import signal
+    import warnings
+
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    return {"warning filters": list(warnings.filters), "DeepSpeed": list(logging.getLogger("DeepSpeed").filters),
+            "bars": (transformers_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()),
+            "handlers": [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]}
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch):
+    """Inside the run's scope, library code's deprecation warnings are silenced by message and module (the same
+    message from elsewhere still shows), the bars are off and train.py may set its handlers; after it, all is as
+    before, an error ending it too. TEXTCLF_VERBOSE=1 silences nothing."""
+    import signal
+    import warnings
+
+    from textclf.quiet import run_scope
+
+    monkeypatch.setenv("TEXTCLF_VERBOSE", verbose)
+    deprecated = "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ..."
+
+    def shown(module) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn_explicit(deprecated, FutureWarning, "c10d_logger.py", 83, module=module)
+        return bool(caught)
+
+    before = library_state()
+    with pytest.raises(KeyError), run_scope():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        assert shown("torch.distributed.c10d_logger") == bool(verbose)
+        assert shown("my_code")  # not a library's call: the user's to see
+        assert library_state()["bars"] == ((True, True) if verbose else (False, False))
+        raise KeyError("the run failed")
+    assert library_state() == before and shown("torch.distributed.c10d_logger")

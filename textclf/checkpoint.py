@@ -17,8 +17,10 @@ deleted folder that looks like a checkpoint. What a killed run leaves (`.incompl
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -676,17 +678,24 @@ def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -
 
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+        from .errors import verbose
+
         refuse_round_robin(checkpoint)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
         for name in os.listdir(checkpoint):
             if name != DEEPSPEED_TAG:
                 os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(folder, name))
-        try:  # DeepSpeed's script, called as its command line would call it
-            ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
-                                      output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
-                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                      inject_missing_state=True))
+        # DeepSpeed's script, called as its command line would call it; what it prints (its arguments, "*** 2.
+        # Merging slices", bars) is its own progress, which the resume's line says in one (TEXTCLF_VERBOSE=1 shows it).
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(sys.stdout if verbose() else said), \
+                    contextlib.redirect_stderr(sys.stderr if verbose() else said):
+                ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
+                                          output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
+                                          num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                          inject_missing_state=True))
         except WRITE_ERRORS as e:
             shutil.rmtree(folder, ignore_errors=True)
             raise write_failed("convert to a universal checkpoint", checkpoint, e,

@@ -10,7 +10,6 @@ import platform
 import signal
 import sys
 import time
-import warnings
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -46,9 +45,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
     if deepspeed and not has_cuda:
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
-    if not verbose():  # DeepSpeed's calls of a torch function that torch deprecated: not the user's to fix
-        warnings.filterwarnings("ignore", message=".*torch.distributed.all_gather_into_tensor.* is deprecated",
-                                category=FutureWarning)
     with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints "... built successfully" per rank
         accelerator = Accelerator(
             cpu=not has_cuda and not deepspeed,
