@@ -701,3 +701,18 @@ def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch)
         assert library_state()["bars"] == ((True, True) if verbose else (False, False))
         raise KeyError("the run failed")
     assert library_state() == before and shown("torch.distributed.c10d_logger")
+
+
+@pytest.mark.slow
+def test_main_twice_in_one_process_starts_and_ends_with_the_same_library_state(tmp_path, reviews_csv, cache_dir):
+    """A notebook that calls train.main twice: each run starts from the state the process had, and leaves it so."""
+    import train
+    from conftest import TINY
+    from textclf.config import parse_config
+
+    before = library_state()
+    for run in ("first", "second"):
+        train.main(parse_config(list(map(str, [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps",
+                                               2, "--output_dir", tmp_path / run]))))
+        assert library_state() == before, run
+    assert (tmp_path / "first" / "model").is_dir() and (tmp_path / "second" / "model").is_dir()
