@@ -44,11 +44,13 @@ from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
+from textclf.quiet import scoped
 from textclf.resume import restore
 from textclf.runtime import describe, exit_finished_run, make_accelerator, padding_multiple, speed_up
 from textclf.task import Task
 
 
+@scoped  # what the run sets in the libraries (quiet warnings and bars, signal handlers) is put back at its end
 def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     if resume is None:  # called from code (a notebook, a test): planned here, as the command line plans it
         cfg, resume = plan_resume(cfg)
@@ -189,7 +191,9 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
             progress.update()
             stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
-                stopping = log(accelerator, window, step, epoch, scheduler, progress, stop_requested)
+                # The epoch as a fraction, as the Trainer logs it.
+                stopping = log(accelerator, window, step, step / schedule.steps_per_epoch, scheduler, progress,
+                               stop_requested)
                 watch.check(step)
                 window = tracking.Window()
             metrics = {}
@@ -215,11 +219,11 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
     return step, metrics, best
 
 
-def log(accelerator, window, step: int, epoch: int, scheduler, progress, stop_requested: list) -> bool:
+def log(accelerator, window, step: int, epoch: float, scheduler, progress, stop_requested: list) -> bool:
     """Log the window's loss and throughput; returns whether the run stops here. All ranks agree on it: asking
     waits for the device, as logging does, so a step between two log lines never waits for it."""
     values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
-    accelerator.log(values, step=step)
+    tracking.log(accelerator, values, step)
     progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
     if stop_requested:
         accelerator.set_trigger()
@@ -230,7 +234,7 @@ def evaluate(cfg, accelerator, model, eval_loader, task, step: int, best: Option
     """Evaluate and log; track the best evaluation (load_best_model_at_end) and stop early when patience runs out.
     Returns (metrics, best, total_steps)."""
     metrics = evaluate_model(model, eval_loader, accelerator, task)
-    accelerator.log(metrics, step=step)
+    tracking.log(accelerator, metrics, step)
     if cfg.load_best_model_at_end:
         best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
                                   checkpoint.checkpoint_folder(cfg.output_dir, step),

@@ -41,6 +41,7 @@ import torch
 from textclf.config import TrainConfig
 from textclf.data import DEFAULT_DATA
 from textclf.errors import run_command
+from textclf.quiet import scoped
 
 from .measure import (
     describe_machine,
@@ -58,6 +59,7 @@ from .plan import OFFLINE, REPO, plan_jobs, plan_rows, rounds_dirs
 from .report import write_report
 
 
+@scoped
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])

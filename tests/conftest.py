@@ -67,6 +67,55 @@ def keep_groups_together(config, items) -> None:
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
+# What a user's own runs leave in the repository (the quickstart's checkpoints/, the default corpus built in data/,
+# wandb/): the suite neither reads nor writes them. It runs beside a finished run in checkpoints/ (one is put
+# there for the session if the folder holds none), so a test that falls back on the default output folder is
+# refused ("already holds checkpoints") on every machine, not only after the quickstart; and it fails if it
+# changed any of them.
+USER_PATHS = ("checkpoints", "data", "wandb")
+FINISHED_RUN = REPO / "checkpoints" / "step_0"
+
+
+def user_files() -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file under USER_PATHS, by path."""
+    found = {}
+    for top in USER_PATHS:
+        for folder, _, names in os.walk(REPO / top):
+            for name in names:
+                stat = os.stat(os.path.join(folder, name))
+                found[os.path.relpath(os.path.join(folder, name), REPO)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+_guard: dict = {}
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller does it for the whole session
+        return
+    from textclf.checkpoint import complete_checkpoints
+
+    _guard["made_checkpoints"] = not (REPO / "checkpoints").exists()
+    _guard["made_run"] = not complete_checkpoints(str(REPO / "checkpoints"))
+    if _guard["made_run"]:
+        FINISHED_RUN.mkdir(parents=True)
+        (FINISHED_RUN / "position.json").write_text('{"made_by": "the test suite, for its session: delete it"}\n')
+    _guard["files"] = user_files()
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's workers have ended
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput") or "files" not in _guard:
+        return
+    changed = sorted({path for path, _ in set(user_files().items()) ^ set(_guard["files"].items())})
+    if _guard.pop("made_run"):
+        shutil.rmtree(REPO / "checkpoints" if _guard["made_checkpoints"] else FINISHED_RUN)
+    if changed:
+        print(f"\nerror: the tests changed the repository's own {', '.join(USER_PATHS)}: {', '.join(changed)}",
+              file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

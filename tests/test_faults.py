@@ -188,6 +188,37 @@ def test_overwrite_with_resume_latest_is_refused(tmp_path, args, four_step_run):
     assert sorted(os.listdir(out)) == sorted(os.listdir(four_step_run))
 
 
+def test_a_resume_by_path_over_later_checkpoints_is_refused_unless_overwrite(tmp_path):
+    from textclf.checkpoint import find_resume_checkpoint
+    from textclf.errors import InputError
+
+    for step in (2, 4):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "position.json").write_text("{}")
+    earlier, out = str(tmp_path / "step_2"), str(tmp_path)
+    with pytest.raises(InputError) as refused:
+        find_resume_checkpoint(earlier, out, overwrite=False)
+    assert str(refused.value) == (f"--resume {earlier}: {out} holds checkpoints after it (step_4), which this run "
+                                  "would write over; pass --overwrite_output_dir to move them aside, or --output_dir "
+                                  "<another folder> to keep both runs")
+    assert find_resume_checkpoint(earlier, out, overwrite=True) == earlier
+    assert find_resume_checkpoint(str(tmp_path / "step_4"), out, overwrite=False) == str(tmp_path / "step_4")
+
+
+@pytest.mark.slow
+def test_overwrite_with_resume_of_an_earlier_checkpoint_moves_only_the_later_ones_aside(tmp_path, args, four_step_run):
+    out = shutil.copytree(four_step_run, tmp_path / "run")
+    resume = [*args, "--max_steps", 4, "--output_dir", out, "--resume", out / "step_2"]
+    assert_refused(run_train(resume, check=False), "holds checkpoints after it (step_4)")
+    assert sorted(os.listdir(out)) == sorted(os.listdir(four_step_run))
+    result = run_train([*resume, "--overwrite_output_dir"])
+    aside = [path for path in tmp_path.iterdir() if path.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and os.listdir(aside[0]) == ["step_4"], result.stdout
+    assert f"moved step_4 of {out} aside to {aside[0]}" in result.stdout
+    assert sorted(name for name in os.listdir(out) if name.startswith("step_")) == ["step_2", "step_4"]
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+
+
 # --- What a killed run leaves: a torn log line, half-saved and half-deleted checkpoints ----------------------
 
 @pytest.mark.slow

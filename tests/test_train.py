@@ -91,7 +91,7 @@ def test_tensorboard_holds_loss_lr_and_eval_scalars(two_process_run):
         events = EventAccumulator(folder)
         events.Reload()
         tags |= set(events.Tags()["scalars"])
-    assert {"loss", "lr", "eval_accuracy", "eval_f1"} <= tags
+    assert {"train/loss", "train/learning_rate", "train/epoch", "eval/accuracy", "eval/f1"} <= tags  # the Trainer's
 
 
 def test_the_default_job_resumes_bitwise_exports_and_loads_in_a_pipeline(tmp_path, four_step_run, reviews_csv,

@@ -170,6 +170,9 @@ def fresh_accelerator_state():
 
 def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_never_tensorboard(
         tmp_path, monkeypatch, fresh_accelerator_state):
+    """And the trackers get the Trainer's names (transformers' integrations): train/loss, train/learning_rate,
+    train/epoch (fractional), eval/<metric> in TensorBoard; loss, learning_rate, eval_<metric> in a tracker whose
+    Trainer callback keeps them flat; log.jsonl keeps its own keys."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
@@ -180,7 +183,7 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
 
     class Recorder(GeneralTracker):
         """A tracker registered the way accelerate documents (register_tracker_class): records its project."""
-        name, requires_logging_directory, projects = "recorder", False, []
+        name, requires_logging_directory, projects, logged = "recorder", False, [], []
 
         def __init__(self, project_name, **kwargs):
             super().__init__()
@@ -194,7 +197,7 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
             pass
 
         def log(self, values, step=None, **kwargs):
-            pass
+            Recorder.logged.append(values)
 
     monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, "recorder", Recorder)
     for project in (None, "reviews"):
@@ -206,16 +209,43 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
                                   project_dir=cfg.output_dir)
         tracking.start_trackers(accelerator, cfg.to_dict())
         for step in (1, 2):
-            accelerator.log({"loss": 1.0 / step}, step=step)
+            tracking.log(accelerator, {"loss": 1.0 / step, "lr": 0.25, "epoch": step / 4}, step)
+        tracking.log(accelerator, {"eval_accuracy": 0.75}, 2)
         accelerator.end_training()
         AcceleratorState._reset_state(True)
     assert Recorder.projects == [None, "reviews"]  # each tracker's own convention, or --project_name
     events = EventAccumulator(str(tmp_path / "None" / "tensorboard" / "first"))
     events.Reload()
-    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
-    # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call
+    assert set(events.Tags()["scalars"]) == {"train/loss", "train/learning_rate", "train/epoch", "eval/accuracy"}
+    assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 1.0), (2, 0.5)]
+    assert [event.value for event in events.Scalars("train/epoch")] == [0.25, 0.5]
+    assert Recorder.logged[:3] == [{"loss": 1.0, "learning_rate": 0.25, "epoch": 0.25},
+                                   {"loss": 0.5, "learning_rate": 0.25, "epoch": 0.5}, {"eval_accuracy": 0.75}]
+    # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call, in its own names
     logged = [json.loads(line) for line in (tmp_path / "None" / tracking.LOG).read_text().splitlines()]
-    assert [(row["step"], row["loss"]) for row in logged] == [(1, 1.0), (2, 0.5)]
+    assert [(row["step"], row["loss"], row["lr"]) for row in logged[:2]] == [(1, 1.0, 0.25), (2, 0.5, 0.25)]
+
+
+def test_report_to_all_names_the_trackers_it_chose_and_wandb_writes_under_the_output_folder(
+        tmp_path, monkeypatch, capsys, fresh_accelerator_state):
+    from accelerate import Accelerator
+
+    from textclf import tracking
+    from textclf.config import TrainConfig
+
+    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard"])
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    cfg = TrainConfig(report_to=["all"], output_dir=str(tmp_path / "out"))
+    accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir),
+                              project_dir=cfg.output_dir)
+    started = {}
+    init_trackers = accelerator.init_trackers
+    monkeypatch.setattr(accelerator, "init_trackers", lambda project, config, init_kwargs: (
+        started.update(init_kwargs), init_trackers(project, config=config, init_kwargs=init_kwargs)))
+    tracking.start_trackers(accelerator, cfg.to_dict())
+    accelerator.end_training()
+    assert "--report_to all: tensorboard, and log.jsonl" in capsys.readouterr().out
+    assert started["wandb"] == {"dir": cfg.output_dir}  # not ./wandb, the repository's root under a launch
 
 
 @pytest.mark.parametrize("project, variable, experiment", [
@@ -487,8 +517,8 @@ def test_a_deepspeed_json_hard_coding_the_accumulation_is_refused_before_torch_i
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}))
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)}
-    result = subprocess.run([sys.executable, "-X", "importtime", "train.py"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, **env})
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--output_dir", str(tmp_path / "out")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 2, result.stderr[-2000:]
     assert (f"error: gradient_accumulation_steps: {ds} hard-codes 4, the training config has 1 "
             '(--gradient_accumulation_steps); set it to "auto"') in result.stderr
@@ -626,8 +656,11 @@ def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkey
     import logging
 
     from textclf.errors import actionable
+    from textclf.quiet import run_scope
 
-    assert actionable in logging.getLogger("DeepSpeed").filters
+    with run_scope():  # a run's, put back at its end
+        assert actionable in logging.getLogger("DeepSpeed").filters
+    assert actionable not in logging.getLogger("DeepSpeed").filters
     record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, "Setting accelerator to "
                                "CPU. If you have GPU or other accelerator, we were unable to detect it.", None, None)
     assert not actionable(record)
@@ -659,3 +692,103 @@ def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_unive
     with pytest.raises(InputError, match="cannot resume ck on 1 process with --load_best_model_at_end: its ZeRO "
                                          "states were saved by 2 processes"):
         checkpoint.needs_universal("ck", made, 1, True)
+
+
+def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monkeypatch):
+    """The quickstart leaves checkpoints/ holding a finished run, then the user runs the tests: every test runs
+    beside one (conftest puts one there for the session if there is none), so a test that falls back on the default
+    output folder fails here too, and the session fails if a test changed checkpoints/, data/ or wandb/."""
+    from conftest import REPO
+    from textclf.checkpoint import find_resume_checkpoint
+    from textclf.errors import InputError
+
+    monkeypatch.chdir(REPO)
+    with pytest.raises(InputError, match="checkpoints already holds checkpoints"):
+        find_resume_checkpoint(None, "checkpoints", overwrite=False)
+
+
+@pytest.mark.parametrize("name", ["cpu", "ddp", "ddp_bf16", "ddp_fp16", "fsdp", "zero2", "zero2_offload", "zero3",
+                                  "zero3_offload"])
+def test_a_single_machine_zoo_file_takes_a_free_port_beside_another_launch(name, monkeypatch):
+    """A second launch on the same machine (while the first trains, or a test beside a run) does not collide at
+    torchrun's default port 29500, nor warn that it is taken: the file asks accelerate for a free port (0)."""
+    import socket
+    import warnings
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # accelerate's notes about the defaults it fills in
+        args, defaults = _validate_launch_command(launch_command_parser().parse_args(
+            ["--config_file", f"accelerate_configs/{name}.yaml", "train.py"]))[:2]
+    assert args.main_process_port == 0
+    # What accelerate's launch_command sets before its DeepSpeed launcher runs.
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    with socket.socket() as first_launch, warnings.catch_warnings():
+        first_launch.bind(("127.0.0.1", 29500))
+        first_launch.listen()
+        warnings.simplefilter("error")  # accelerate's "Port 29500 is already in use" is a warning
+        (prepare_deepspeed_cmd_env if args.use_deepspeed else prepare_multi_gpu_env)(args)
+    assert args.main_process_port not in (0, 29500)  # what torchrun is given
+
+
+def library_state() -> dict:
+    """What a run may change in this process: warning filters, DeepSpeed's logger filters, the libraries' bars, the
+    stop signals' handlers."""
+    import logging
+    import signal
+    import warnings
+
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    return {"warning filters": list(warnings.filters), "DeepSpeed": list(logging.getLogger("DeepSpeed").filters),
+            "bars": (transformers_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()),
+            "handlers": [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]}
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch):
+    """Inside the run's scope, library code's deprecation warnings are silenced by message and module (the same
+    message from elsewhere still shows), the bars are off and train.py may set its handlers; after it, all is as
+    before, an error ending it too. TEXTCLF_VERBOSE=1 silences nothing."""
+    import signal
+    import warnings
+
+    from textclf.quiet import run_scope
+
+    monkeypatch.setenv("TEXTCLF_VERBOSE", verbose)
+    deprecated = "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ..."
+
+    def shown(module) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn_explicit(deprecated, FutureWarning, "c10d_logger.py", 83, module=module)
+        return bool(caught)
+
+    before = library_state()
+    with pytest.raises(KeyError), run_scope():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        assert shown("torch.distributed.c10d_logger") == bool(verbose)
+        assert shown("my_code")  # not a library's call: the user's to see
+        assert library_state()["bars"] == ((True, True) if verbose else (False, False))
+        raise KeyError("the run failed")
+    assert library_state() == before and shown("torch.distributed.c10d_logger")
+
+
+@pytest.mark.slow
+def test_main_twice_in_one_process_starts_and_ends_with_the_same_library_state(tmp_path, reviews_csv, cache_dir):
+    """A notebook that calls train.main twice: each run starts from the state the process had, and leaves it so."""
+    import train
+    from conftest import TINY
+    from textclf.config import parse_config
+
+    before = library_state()
+    for run in ("first", "second"):
+        train.main(parse_config(list(map(str, [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps",
+                                               2, "--output_dir", tmp_path / run]))))
+        assert library_state() == before, run
+    assert (tmp_path / "first" / "model").is_dir() and (tmp_path / "second" / "model").is_dir()

@@ -128,3 +128,15 @@ def test_forked_ranks_get_the_environment_accelerate_launch_gives(tmp_path, conf
         return {key: value for key, value in env.items() if key.startswith("ACCELERATE_") or key in LAUNCH_KEYS}
 
     assert [read(env) for env in forked] == [read(env) for env in real]
+
+
+
+def test_a_zero3_launch_prints_no_library_warnings(tmp_path, run_args):
+    """ZeRO-3 calls torch's deprecated collectives at every step (a FutureWarning each time, 1,800 lines in 30
+    steps), transformers draws its bars loading weights: none of it reaches the console unless TEXTCLF_VERBOSE=1."""
+    result = run_train([*run_args, "--max_steps", 6, "--logging_steps", 2, "--output_dir", tmp_path],
+                       config_file=ZOO / "zero3.yaml", env={"DS_ACCELERATOR": "cpu"})  # the launcher's own line
+    output = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
+    noise = [line for line in output if any(word in line for word in (
+        "Warning", "warnings.warn", "is deprecated", "Loading weights", "Setting accelerator", "MPU is not"))]
+    assert noise == [], "\n".join(noise[:20])

@@ -78,6 +78,7 @@ from .modeling import (
     scratch_size,
     scratch_tokenizer_folder,
 )
+from .quiet import scoped
 from .runtime import check_deepspeed_config
 from .task import Task
 from .theory import (
@@ -529,6 +530,7 @@ def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, k
                  + (", checkpointed" if cfg.gradient_checkpointing else ""))]
 
 
+@scoped
 def main(argv: Optional[list[str]] = None, parsed: Optional[tuple] = None) -> int:
     try:
         args, cfg = parsed or parse_args(sys.argv[1:] if argv is None else argv)

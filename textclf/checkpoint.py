@@ -170,11 +170,25 @@ def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -
                              + "; drop --resume to start a fresh run")
         return existing[-1][1]
     if resume:
+        later = later_checkpoints(output_dir, resume)
+        if later and not overwrite:
+            raise InputError(f"--resume {resume}: {output_dir} holds checkpoints after it ({', '.join(later)}), which "
+                             "this run would write over; pass --overwrite_output_dir to move them aside, or "
+                             "--output_dir <another folder> to keep both runs")
         return resume
     if existing and not overwrite:
         raise InputError(f"{output_dir} already holds checkpoints (newest {existing[-1][1]}); pass --resume latest "
                          "to continue that run, or --overwrite_output_dir to start over")
     return None
+
+
+def later_checkpoints(output_dir: str, checkpoint: str) -> list[str]:
+    """The step_<N> folders of output_dir after `checkpoint` (by its step_<N> name), oldest first: a run resumed
+    from it saves at their steps again."""
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(checkpoint)))
+    if not match:
+        return []
+    return [os.path.basename(path) for step, path in step_folders(output_dir) if step > int(match.group(1))]
 
 
 def without_position(output_dir: str, newer_than: int) -> list[str]:
@@ -418,12 +432,14 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
     clear by hand. Other ranks never take it (they would block their own run's main process). On
     shared storage the lock holds across machines where the file system supports flock (NFSv4, and
     Lustre mounted with -o flock). Under the lock the choice of checkpoint is made again (a run that
-    ended meanwhile may have written one), --overwrite_output_dir moves the previous run aside, and
-    what a killed run left is removed.
+    ended meanwhile may have written one), --overwrite_output_dir moves the previous run aside (with --resume
+    of one of its checkpoints, the checkpoints after it), and what a killed run left is removed.
     """
+    inside = bool(resume_from) and os.path.abspath(resume_from).startswith(
+        os.path.join(os.path.abspath(output_dir), ""))
+
     def claim():
-        if overwrite and resume_from and os.path.abspath(resume_from).startswith(
-                os.path.join(os.path.abspath(output_dir), "")):
+        if overwrite and inside and resume in ("latest", "auto"):
             raise InputError(f"--overwrite_output_dir moves the run in {output_dir} aside, --resume {resume} "
                              "continues it: drop one of them")
         try:
@@ -435,7 +451,9 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
         if choose_checkpoint(resume, output_dir, overwrite) != resume_from:
             raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "
                              "start again to choose among them")
-        if overwrite and set(os.listdir(output_dir)) - {LOCK}:
+        if overwrite and inside:  # --resume <a checkpoint of it>: only the checkpoints after it go aside
+            move_aside(output_dir, later_checkpoints(output_dir, resume_from))
+        elif overwrite and set(os.listdir(output_dir)) - {LOCK}:
             aside = f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             try:
                 os.rename(output_dir, aside)  # the lock moves with it, still held, until the new one is taken
@@ -455,6 +473,22 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
             print(f"removed what an interrupted run left in {output_dir}: {', '.join(removed)}")
 
     checked_on_main_process(accelerator, claim)
+
+
+def move_aside(output_dir: str, names: list[str]) -> None:
+    """Move the folders `names` of output_dir into <output_dir>.replaced-<time>/ (--overwrite_output_dir)."""
+    if not names:
+        return
+    aside = f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        os.makedirs(aside, exist_ok=True)
+        for name in names:
+            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise InputError(f"--overwrite_output_dir: cannot move {', '.join(names)} of {output_dir} aside to {aside} "
+                         f"({e.strerror}); move or delete them yourself") from None
+    print(f"--overwrite_output_dir: moved {', '.join(names)} of {output_dir} aside to {aside} (delete it when you no "
+          "longer need it)")
 
 
 def take_lock(output_dir: str):

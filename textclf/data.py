@@ -34,8 +34,8 @@ from .config import DATA_FORMATS, DEFAULT_DATA, require_data
 from .errors import InputError, say
 from .task import Task
 
-# Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes.
-datasets.disable_progress_bars()
+# Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes:
+# a run turns datasets' other bars off (textclf/quiet.py).
 
 
 def build_default_corpus(path: str = DEFAULT_DATA) -> None:

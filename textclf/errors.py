@@ -133,13 +133,10 @@ def verbose() -> bool:
 
 
 def actionable(record: logging.LogRecord) -> bool:
-    """A logging filter: False for what libraries log that a user cannot act on. DeepSpeed tells every
-    process of a machine without GPUs that it falls back to its CPU accelerator, which is the only one."""
-    return verbose() or not record.getMessage().startswith("Setting accelerator to CPU")
-
-
-# On the logger that says it, before DeepSpeed is imported (by accelerate or transformers, later on).
-logging.getLogger("DeepSpeed").addFilter(actionable)
+    """A logging filter on DeepSpeed's logger, for a run (textclf/quiet.py): False for what it logs that a user cannot
+    act on. It tells every process of a machine without GPUs that it falls back to its CPU accelerator, which is the
+    only one, and every rank resuming a ZeRO checkpoint that no model-parallel unit was given (none is used)."""
+    return verbose() or not record.getMessage().startswith(("Setting accelerator to CPU", "MPU is not provided"))
 
 
 def out_of_memory(error: BaseException) -> bool:

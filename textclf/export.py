@@ -12,7 +12,7 @@ the target's place: no empty tensor, it reloads, and it predicts what the traine
 import argparse
 from typing import Optional
 
-from .errors import run_command, verbose
+from .errors import run_command
 from .tool_options import add_loading_options, require_trained_model
 
 
@@ -32,10 +32,10 @@ if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below.
     ARGS = run_command(parse_args)
 
-from transformers.utils import logging as transformers_logging
 
 from .loading import load_trained, read_training
 from .model_folder import refuse_existing, save_verified
+from .quiet import scoped
 
 
 def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrite: bool = False,
@@ -48,10 +48,9 @@ def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrit
                          trust_remote_code=trust_remote_code)
 
 
+@scoped
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
-    if not verbose():  # transformers' bars while the source loads: the line below says it
-        transformers_logging.disable_progress_bar()
     export_checkpoint(args.source, args.target, merge=args.merge, overwrite=args.overwrite,
                       allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
     print(f"exported {args.source} to {args.target} (verified: weights complete, reloads, same predictions)")

@@ -24,12 +24,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
-from transformers.utils import logging as transformers_logging
 
 from . import files
 from .checkpoint import write_json
 from .data import length_sorted_loader, tokenize
-from .errors import WRITE_ERRORS, InputError, verbose, write_failed
+from .errors import WRITE_ERRORS, InputError, write_failed
 from .modeling import load_refused, lora_settings, make_model, refuse_custom_code
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -104,8 +103,6 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
     from peft import PeftModel
 
     refuse_existing(target, overwrite)
-    if not verbose():  # transformers' bars for writing the weights and reading them back: the caller's line says it
-        transformers_logging.disable_progress_bar()
     expected = predict_logits(model, tokenizer, PROBE_TEXTS)
     parent, name = os.path.split(os.path.abspath(target))
     tmp = os.path.join(parent, f".{name}.incomplete")

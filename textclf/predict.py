@@ -63,6 +63,7 @@ from transformers.utils import logging as transformers_logging
 from .data import clean_text, load_table, require_text_column
 from .loading import load_trained, read_training
 from .model_folder import predict_logits
+from .quiet import scoped
 from .task import Task
 
 
@@ -118,6 +119,7 @@ def write_rows(rows: list[dict], path: str) -> None:
         raise failure from None
 
 
+@scoped
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()  # the prediction bar is the one that matters

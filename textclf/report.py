@@ -62,6 +62,7 @@ from .checkpoint import write_json
 from .data import fingerprint, load_splits, read_labelled
 from .loading import load_trained, read_training
 from .predict import inference_accelerator, label_names, predict_logits, run_config
+from .quiet import scoped
 from .task import Task
 
 
@@ -172,6 +173,7 @@ DRAWINGS = {
 }
 
 
+@scoped
 def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()

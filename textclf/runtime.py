@@ -9,7 +9,6 @@ import math
 import os
 import platform
 import time
-import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
@@ -41,9 +40,6 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
         from .deepspeed_ops import load_deepspeed_ops
 
         load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
-    if not verbose():  # DeepSpeed's calls of a torch function that torch deprecated: not the user's to fix
-        warnings.filterwarnings("ignore", message=".*torch.distributed.all_gather_into_tensor.* is deprecated",
-                                category=FutureWarning)
     with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints "... built successfully" per rank
         accelerator = Accelerator(
             cpu=not has_cuda and not deepspeed,

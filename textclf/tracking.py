@@ -1,4 +1,5 @@
-"""Where a run reports, all through `accelerator.log`: log.jsonl (the output contract) and the trackers."""
+"""Where a run reports, all through `accelerator`'s trackers: log.jsonl (the output contract) and the others, under
+the Trainer's names."""
 
 import contextlib
 import importlib
@@ -26,6 +27,11 @@ from .errors import InputError, write_failed
 LOG = "log.jsonl"
 # Where each tracker takes a run's name (--run_name), among the keyword arguments accelerate passes it.
 RUN_NAME_KEYS = {"wandb": "name", "trackio": "name", "swanlab": "experiment_name", "clearml": "task_name"}
+# The trackers whose Trainer callbacks group their values as train/<name> and eval/<metric> (transformers'
+# integration_utils.rewrite_logs); the Trainer gives the others its flat names (loss, learning_rate, eval_accuracy).
+GROUPED = {"tensorboard", "wandb", "trackio", "comet_ml", "swanlab"}
+# The Trainer's names for what log.jsonl names otherwise (its keys stay: the output contract).
+TRAINER_NAMES = {"lr": "learning_rate"}
 
 
 class JsonLinesTracker(GeneralTracker):
@@ -106,10 +112,31 @@ def trackers(report_to: list[str], output_dir: str, project_name: Optional[str] 
 
 
 def start_trackers(accelerator: Accelerator, config: dict) -> None:
-    """Start the trackers with the run's config, its project (--project_name) and its name (--run_name)."""
+    """Start the trackers with the run's config, its project (--project_name) and its name (--run_name).
+
+    W&B writes its files under the output folder (not ./wandb, the repository's root when launched from it) unless
+    WANDB_DIR says where. `--report_to all` says which trackers it found installed.
+    """
     run_name = config.get("run_name")
     init_kwargs = {name: {key: run_name} for name, key in RUN_NAME_KEYS.items()} if run_name else {}
+    if not os.environ.get("WANDB_DIR"):
+        init_kwargs.setdefault("wandb", {})["dir"] = config["output_dir"]
     accelerator.init_trackers(config.get("project_name"), config=flat_config(config), init_kwargs=init_kwargs)
+    if config.get("report_to") == ["all"]:
+        others = [tracker.name for tracker in accelerator.trackers if not isinstance(tracker, JsonLinesTracker)]
+        accelerator.print(f"--report_to all: {', '.join(others) or 'no tracker installed'}, and {LOG}")
+
+
+def log(accelerator: Accelerator, values: dict, step: int) -> None:
+    """`accelerator.log`, with the Trainer's names in every tracker but log.jsonl: train/loss, train/learning_rate,
+    train/epoch, eval/<metric> where its callback groups them (GROUPED), its flat names elsewhere."""
+    named = {TRAINER_NAMES.get(key, key): value for key, value in values.items()}
+    grouped = {(f"eval/{key[len('eval_'):]}" if key.startswith("eval_") else f"train/{key}"): value
+               for key, value in named.items()}
+    if accelerator.is_main_process:  # accelerate keeps the trackers there
+        for tracker in accelerator.trackers:
+            tracker.log(values if isinstance(tracker, JsonLinesTracker) else
+                        grouped if tracker.name in GROUPED else named, step=step)
 
 
 def flat_config(config: dict) -> dict:

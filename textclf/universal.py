@@ -6,15 +6,18 @@ loads with `"checkpoint": {"load_universal": true}` (runtime.make_accelerator se
 resume (checkpoint.load_state).
 """
 
+import contextlib
+import io
 import os
 import shutil
+import sys
 
 import torch
 from accelerate import Accelerator
 
 from . import files
 from .checkpoint import UNIVERSAL, load_accelerate_state
-from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
+from .errors import WRITE_ERRORS, InputError, checked_on_main_process, verbose, write_failed
 
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
 
@@ -63,11 +66,16 @@ def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -
         for name in os.listdir(checkpoint):
             if name != DEEPSPEED_TAG:
                 os.symlink(os.path.abspath(os.path.join(checkpoint, name)), os.path.join(folder, name))
-        try:  # DeepSpeed's script, called as its command line would call it
-            ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
-                                      output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
-                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                      inject_missing_state=True))
+        # DeepSpeed's script, called as its command line would call it; what it prints (its arguments, "*** 2.
+        # Merging slices", bars) is its own progress, which the resume's line says in one (TEXTCLF_VERBOSE=1 shows it).
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(sys.stdout if verbose() else said), \
+                    contextlib.redirect_stderr(sys.stderr if verbose() else said):
+                ds_to_universal(Namespace(input_folder=os.path.join(checkpoint, DEEPSPEED_TAG),
+                                          output_folder=os.path.join(folder, DEEPSPEED_TAG), num_extract_workers=1,
+                                          num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                          inject_missing_state=True))
         except WRITE_ERRORS as e:
             shutil.rmtree(folder, ignore_errors=True)
             raise write_failed("convert to a universal checkpoint", checkpoint, e,

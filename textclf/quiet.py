@@ -1,0 +1,73 @@
+"""What a run changes in the process and its libraries, for the run alone: put back when it ends, however it ends,
+so that a second run in the same process (a notebook, a test) starts as the first did.
+
+Inside it, what the libraries say that a user cannot act on is silenced (TEXTCLF_VERBOSE=1 shows it as they say
+it), each by its message and the module that says it, never a whole category: library code calling another
+library's deprecated functions, DeepSpeed's lines about its own defaults, and the bars of transformers (loading
+and writing weights) and datasets (train.py's data stage shows the one that takes minutes). train.py's SIGTERM and
+SIGINT handlers are put back too.
+"""
+
+import functools
+import logging
+import signal
+import threading
+import warnings
+from contextlib import ExitStack, contextmanager
+
+from .errors import actionable, verbose
+
+# (message, module the warning is attributed to), as regular expressions from the start. torch's deprecated
+# collectives warn from the wrapper that logs their failures (c10d_logger), at every call DeepSpeed's ZeRO-3 makes.
+WARNINGS = (
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", r"torch\.distributed\."),
+    (r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),  # read by peft
+    (r"fan_in_fan_out is set to False but the target module is `Conv1D`", r"peft\.tuners\.lora"),  # GPT-2's layers
+)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def run_scope():
+    """The scope of one run (or one command): see the module's docstring."""
+    with ExitStack() as restore:
+        if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+            for stop_signal in STOP_SIGNALS:
+                restore.callback(signal.signal, stop_signal, signal.getsignal(stop_signal))
+        if not verbose():
+            restore.enter_context(warnings.catch_warnings())  # the filters as they were, at the end
+            for message, module in WARNINGS:
+                warnings.filterwarnings("ignore", message=message, module=module)
+            deepspeed = logging.getLogger("DeepSpeed")
+            deepspeed.addFilter(actionable)
+            restore.callback(deepspeed.removeFilter, actionable)
+            restore.enter_context(progress_bars_off())
+        yield
+
+
+def scoped(function):
+    """`function` run inside run_scope."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with run_scope():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+@contextmanager
+def progress_bars_off():
+    """transformers' and datasets' bars off meanwhile, each put back as it was."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_on, datasets_on = transformers_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if transformers_on:
+            transformers_logging.enable_progress_bar()
+        if datasets_on:
+            datasets.enable_progress_bars()
