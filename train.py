@@ -45,14 +45,13 @@ from textclf.task import Task
 def main(cfg: TrainConfig) -> None:
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
     position = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
-    # Checkpoints record the accumulation asked for, not the one a launch of another size takes to keep the global
+    # Checkpoints record the batch split asked for, not the one a launch of another size takes to keep the global
     # batch: the same command then resumes them again on any number of processes (a requeued job).
-    asked_accumulation = cfg.gradient_accumulation_steps
-    if resume_from:  # on another number of processes, the accumulation that keeps the checkpoint's global batch
+    asked_split = {key: getattr(cfg, key) for key in ("per_device_train_batch_size", "gradient_accumulation_steps")}
+    if resume_from:  # on another number of processes, the micro-batch and accumulation that keep its global batch
         position = checkpoint.read_verified_position(resume_from)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=checkpoint.accumulation_for(
-            resume_from, position, world_size))
+        cfg = dataclasses.replace(cfg, **checkpoint.batch_split(resume_from, position,
+                                                                int(os.environ.get("WORLD_SIZE", "1"))))
     accelerator = make_accelerator(cfg)
     run = describe(accelerator, cfg)
     accelerator.print(f"config: {cfg.to_dict()}")
@@ -65,7 +64,8 @@ def main(cfg: TrainConfig) -> None:
     if resume_from:  # a launch that cannot resume it is told so before the data is read, with the one that can
         if rescaled := checkpoint.check_launch(resume_from, position, run):
             accelerator.print(rescaled)
-        position = checkpoint.on_this_launch(position, accelerator.num_processes, cfg.gradient_accumulation_steps)
+        position = checkpoint.on_this_launch(position, accelerator.num_processes, cfg.gradient_accumulation_steps,
+                                             cfg.per_device_train_batch_size)
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
@@ -151,7 +151,7 @@ def main(cfg: TrainConfig) -> None:
     def save(step, epoch, batch_in_epoch, metrics, window):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
                  "best": best, "loss_window": gather_object([window.state()]),
-                 "config": cfg.to_dict() | {"gradient_accumulation_steps": asked_accumulation}}
+                 "config": cfg.to_dict() | asked_split}
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
             checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume_from,

@@ -62,7 +62,7 @@ if __name__ == "__main__":
 
 import torch
 
-from .checkpoint import accumulation_for, check_launch, choose_checkpoint, read_verified_position
+from .checkpoint import batch_split, check_launch, find_resume_checkpoint, read_verified_position
 from .data import sample_key
 from .job import load_data
 from .launch import deepspeed_conflicts, fewer_processes, zero_offload
@@ -398,7 +398,7 @@ def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
     folder)."""
     if not cfg.resume:
         return None
-    path = choose_checkpoint(cfg.resume, cfg.output_dir, True)
+    path = find_resume_checkpoint(cfg.resume, cfg.output_dir, True)  # as train.py finds it
     return (path, read_verified_position(path)) if path else None
 
 
@@ -410,9 +410,9 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     check_topology(launch, conflicts)
     precision, source = launch["mixed_precision"], launch["precision_source"]
     resumed = resume_checkpoint(cfg)
-    if resumed:  # the accumulation that keeps its global batch on this launch's processes
+    if resumed:  # the micro-batch and accumulation that keep its global batch on this launch's processes
         try:
-            cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accumulation_for(*resumed, world))
+            cfg = dataclasses.replace(cfg, **batch_split(*resumed, world))
         except InputError as e:
             conflicts.append(str(e))
             resumed = None

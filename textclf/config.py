@@ -464,13 +464,16 @@ def checkpoint_config(args: list[str]) -> Optional[tuple[str, dict]]:
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--resume")
-    pre.add_argument("--output_dir", default=TrainConfig.output_dir)
+    pre.add_argument("--output_dir")
     known, _ = pre.parse_known_args(args)
     if not known.resume:
         return None
     from .checkpoint import find_resume_checkpoint, read_verified_position  # here: --help stays fast
 
-    path = find_resume_checkpoint(known.resume, known.output_dir, True)
+    # The folder the run will write to: the one given, or the checkpoint's own (for a step_<N> path).
+    output_dir = known.output_dir or (TrainConfig.output_dir if known.resume in ("latest", "auto") else
+                                      os.path.dirname(os.path.normpath(known.resume)) or ".")
+    path = find_resume_checkpoint(known.resume, output_dir, True)
     if path is None:  # --resume auto in a folder without a checkpoint: a fresh start
         return None
     config = read_verified_position(path).get("config")

@@ -40,7 +40,7 @@ def check_launch_early(cfg) -> None:
     resume again once the Accelerator exists). Last, with torch and accelerate loaded (a second) but not yet
     transformers or the data, what this machine lacks: a CUDA GPU for fp16, a tracker asked for."""
 
-    from .checkpoint import accumulation_for, check_launch, find_resume_checkpoint, read_verified_position
+    from .checkpoint import batch_split, check_launch, find_resume_checkpoint, read_verified_position
 
     require_data(cfg.data, cfg.eval_data)
     launch = this_launch(cfg.mixed_precision)
@@ -48,8 +48,7 @@ def check_launch_early(cfg) -> None:
     if checkpoint:
         position = read_verified_position(checkpoint)
         check_launch(checkpoint, position, launch)
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accumulation_for(
-            checkpoint, position, launch["num_processes"]))
+        cfg = dataclasses.replace(cfg, **batch_split(checkpoint, position, launch["num_processes"]))
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if launch["zero_stage"] is not None and ds_file != "none":
         conflicts = deepspeed_conflicts(read_deepspeed_file(ds_file), ds_file, cfg, launch["num_processes"])
