@@ -144,3 +144,41 @@ def test_where_decoding_fails_is_found_across_chunks(tmp_path, rows, encoding):
     for chunk_size in (7, 64, 1 << 24):  # a multi-byte character cut by every chunk boundary, or none
         assert undecodable(path, encoding, chunk_size) == f"byte 0xff at line {line}, column {column}"
         assert undecodable(write(tmp_path / "good.jsonl", good), encoding, chunk_size) is None
+
+
+def test_the_held_out_split_nobody_asked_for_is_capped_and_one_asked_for_is_not(capsys):
+    """10%, at most 10,000 examples, said once; a fraction or a number of examples asked for is held out whole.
+    The same draw every time: a resume and the report rebuild it."""
+    from datasets import Dataset
+
+    from textclf.data import hold_out
+    from textclf.task import Task
+
+    task = Task.of("single_label", "review", "label")
+    table = Dataset.from_dict({"text": [f"评论{i}" for i in range(120_000)], "labels": [i % 3 for i in range(120_000)]})
+    names = ["a", "b", "c"]
+    train, held = hold_out(table, names, "big.csv", task, None, 0)
+    assert (len(train), len(held)) == (110_000, 10_000)
+    assert sorted(set(held["labels"])) == [0, 1, 2] and held["labels"].count(0) in (3333, 3334)
+    assert capsys.readouterr().out == ("eval: 10,000 examples (10%, at most 10,000; --eval_split asks for more) of "
+                                       "big.csv held out, stratified by label\n")
+    assert hold_out(table, names, "big.csv", task, None, 0)[1]["text"] == held["text"]
+    for asked, size in ((0.2, 24_000), (30_000.0, 30_000)):
+        assert len(hold_out(table, names, "big.csv", task, asked, 0)[1]) == size
+    small = table.select(range(5_000))
+    assert len(hold_out(small, names, "small.csv", task, None, 0)[1]) == 500
+    capsys.readouterr()
+    with pytest.raises(InputError, match="cannot hold out 5,000 examples of small.csv: it has 5,000 examples"):
+        hold_out(small, names, "small.csv", task, 5_000.0, 0)
+
+
+@pytest.mark.parametrize("eval_split, valid", [(0.5, True), (2500, True), (1, True), (0, False), (1.5, False),
+                                               (-3, False)])
+def test_eval_split_is_a_fraction_or_a_number_of_examples(eval_split, valid):
+    from textclf.config import TrainConfig
+
+    if valid:
+        assert TrainConfig(eval_split=eval_split).eval_split == eval_split
+    else:
+        with pytest.raises(InputError, match="eval_split must be a fraction in .0, 1. or a whole number of examples"):
+            TrainConfig(eval_split=eval_split)

@@ -585,7 +585,7 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
     lines = [re.sub(r"in \d+\.\d s$", "in <time>", line) for line in capsys.readouterr().out.splitlines()]
     assert lines == [f"warning: dropped 1 row(s) with empty text from {tmp_path / 'd.csv'}",
                      f"data: read {tmp_path / 'd.csv'}: 20 rows in <time>",
-                     f"eval: 25% of {tmp_path / 'd.csv'} held out, stratified by label",
+                     f"eval: 25% (5 examples) of {tmp_path / 'd.csv'} held out, stratified by label",
                      "data: labels and split: 15 train / 5 eval examples in <time>"]
 
 

@@ -86,8 +86,9 @@ class TrainConfig:
     encoding: Optional[str] = None
     """Text encoding of the data files (e.g. gb18030, big5); default: UTF-8, and GB18030 (a superset of GBK) when a
     file is not valid UTF-8."""
-    eval_split: float = 0.1
-    """Fraction of `data` held out when `eval_data` is not given."""
+    eval_split: Optional[float] = None
+    """What of `data` is held out when `eval_data` is not given: a fraction (0.2) or a number of examples (5000);
+    default: 10%, at most 10,000 examples."""
     max_length: int = 128
     """Texts are truncated to this many tokens."""
     tokenizer_sample: int = 100_000
@@ -232,8 +233,10 @@ class TrainConfig:
                 raise InputError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.tokenizer_sample < 0:
             raise InputError(f"tokenizer_sample must be 0 (every example) or more, got {self.tokenizer_sample}")
-        if not 0 < self.eval_split < 1:
-            raise InputError(f"eval_split must be in (0, 1), got {self.eval_split}")
+        if self.eval_split is not None and not (0 < self.eval_split < 1 or
+                                                self.eval_split >= 1 and float(self.eval_split).is_integer()):
+            raise InputError(f"eval_split must be a fraction in (0, 1) or a whole number of examples, got "
+                             f"{self.eval_split:g}")
         if self.delimiter is not None:
             if "\\" in self.delimiter:  # a shell passes '\t' as two characters; it means a tab
                 self.delimiter = codecs.decode(self.delimiter, "unicode_escape")
