@@ -13,7 +13,7 @@ from textclf.errors import die_with_launcher, run_command
 if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
 
-from textclf.config import TrainConfig, parse_config
+from textclf.config import HELD_OUT, TrainConfig, parse_config
 from textclf.launch import check_launch_early, launch_shortfall
 
 if __name__ == "__main__":
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, errors, tracking
-from textclf.data import make_loaders, seed_micro_batch
+from textclf.data import make_loaders, seed_micro_batch, write_examples
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
@@ -69,7 +69,7 @@ def main(cfg: TrainConfig) -> None:
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
-    train_set, eval_set, label_names, tokenizer, model, data_fingerprint = build_job(
+    train_set, eval_set, label_names, tokenizer, model, data_fingerprint, eval_examples = build_job(
         cfg, accelerator.local_main_process_first)
     accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
                       f"model: {cfg.model}, {parameter_counts(model)['params'] / 1e6:.1f}M parameters")
@@ -125,6 +125,7 @@ def main(cfg: TrainConfig) -> None:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
+        write_examples(eval_examples, task, label_names, os.path.join(cfg.output_dir, HELD_OUT))  # report's default
     tracking.start_trackers(accelerator, cfg.to_dict())
     # SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
     # the next logging step, then a clean stop; a second Ctrl-C stops at once, without one.

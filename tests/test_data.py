@@ -182,3 +182,31 @@ def test_eval_split_is_a_fraction_or_a_number_of_examples(eval_split, valid):
     else:
         with pytest.raises(InputError, match="eval_split must be a fraction in .0, 1. or a whole number of examples"):
             TrainConfig(eval_split=eval_split)
+
+
+@pytest.mark.parametrize("kind, columns, rows", [
+    ("single_label", ("review", "stars"), [{"review": "好", "stars": 2}, {"review": "差", "stars": 10},
+                                           {"review": "还行", "stars": 2}]),
+    ("multi_label", ("review", "tags"), [{"review": "好", "tags": ["味道", "服务"]}, {"review": "差", "tags": []},
+                                         {"review": "慢", "tags": ["配送"]}]),
+    ("regression", ("review", "score"), [{"review": "好", "score": 4.3}, {"review": "差", "score": 1.1}]),
+    ("single_label", ("query", "label", "answer"), [{"query": "问", "answer": "答", "label": "yes"},
+                                                    {"query": "问2", "answer": "答2", "label": "no"}]),
+])
+def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examples(tmp_path, kind, columns, rows):
+    from textclf.data import read_labelled, write_examples
+    from textclf.task import Task
+
+    task = Task.of(kind, *columns)
+    source = write(tmp_path / "data.jsonl", json_lines(rows).encode())
+    table, names = read_labelled(source, task)
+    (tmp_path / "elsewhere").write_text("untouched")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "eval.jsonl.tmp")  # a link at the temporary name is not followed
+    write_examples(table, task, names, str(tmp_path / "eval.jsonl"))
+    assert (tmp_path / "elsewhere").read_text() == "untouched" and not os.path.lexists(tmp_path / "eval.jsonl.tmp")
+    written = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [set(row) for row in written] == [set(row) for row in rows]
+    assert [row[task.label_column] for row in written] == [
+        str(row[task.label_column]) if kind == "single_label" else row[task.label_column] for row in rows]
+    again, _ = read_labelled(str(tmp_path / "eval.jsonl"), task, names=names)
+    assert again.to_dict() == table.to_dict()

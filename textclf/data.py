@@ -31,7 +31,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from .config import DATA_FORMATS, DEFAULT_DATA, require_data
-from .errors import InputError, say
+from .errors import InputError, say, write_failed
 from .task import Task
 
 # Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes.
@@ -408,6 +408,28 @@ def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split
         raise InputError(f"cannot hold out {what} of {path} {how}: {e}; give a held-out file with "
                          "--eval_data") from None
     return train.select(kept), train.select(held)
+
+
+def write_examples(table: Dataset, task: Task, names: list[str], path: str) -> None:
+    """The examples of a table that load_splits made, as JSON Lines in the data's own columns (the task's text
+    columns and its label column, each label as the data names it: Task.cell), which --data, --eval_data and the
+    report read back as the same examples. Written through a new temporary file and a rename: never through a
+    link that stands at either name."""
+    columns = task.text_columns
+    tmp = f"{path}.tmp"
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)  # left by a run killed while writing; a link is removed, not followed
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as f:
+            for batch in table.select_columns([*columns, "labels"]).iter(batch_size=1000):
+                for i, label in enumerate(batch["labels"]):
+                    row = {column: batch[name][i] for name, column in columns.items()}
+                    f.write(json.dumps({**row, task.label_column: task.cell(label, names)}, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_failed("write", path, e, "free space or make the folder writable, then run again") from None
 
 
 def fingerprint(table: Dataset) -> str:
