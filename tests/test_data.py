@@ -210,3 +210,15 @@ def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examp
         str(row[task.label_column]) if kind == "single_label" else row[task.label_column] for row in rows]
     again, _ = read_labelled(str(tmp_path / "eval.jsonl"), task, names=names)
     assert again.to_dict() == table.to_dict()
+
+
+def test_a_text_column_called_text_is_fingerprinted_as_any_other(tmp_path):
+    """`datasets` hands a file's own `text` column on as large_string, which Arrow's join did not take."""
+    from textclf.data import fingerprint, read_labelled
+    from textclf.task import Task
+
+    rows = "".join(f"{i % 2},评论{i}\n" for i in range(6))
+    prints = {column: fingerprint(read_labelled(write(tmp_path / f"{column}.csv", f"stars,{column}\n{rows}".encode()),
+                                                Task.of("single_label", column, "stars"))[0])
+              for column in ("text", "review")}
+    assert prints["text"] == prints["review"]

@@ -440,7 +440,9 @@ def fingerprint(table: Dataset) -> str:
     for batch in table.select_columns(["labels", *columns]).with_format("arrow").iter(batch_size=65536):
         digest.update(json.dumps(batch["labels"].to_pylist()).encode())
         for column in columns:
-            texts = batch[column].combine_chunks()
+            # A file's own `text` column comes through select_columns as large_string: hashed as string, the same
+            # examples give the same fingerprint whatever their column was called.
+            texts = batch[column].combine_chunks().cast(pa.string())
             digest.update(pc.binary_length(texts).to_numpy().tobytes())  # where each text ends
             digest.update(pc.binary_join(pa.ListArray.from_arrays([0, len(texts)], texts), "")[0].as_buffer())
     return digest.hexdigest()[:16]
