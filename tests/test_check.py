@@ -522,7 +522,7 @@ def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
     assert checkpointed < plain and "checkpointed" in parts and "DDP gradient buckets" in parts
 
 
-def made_checkpoint(folder, world_size=1, **made_with):
+def made_checkpoint(folder, world_size=1, zero_stage=None, **made_with):
     """A step_6/ folder in `folder` with the position.json of a run of scratch-tiny on `world_size` processes."""
     import dataclasses
 
@@ -533,7 +533,7 @@ def made_checkpoint(folder, world_size=1, **made_with):
     step.mkdir(parents=True)
     global_batch = made_with["per_device_train_batch_size"] * made_with["gradient_accumulation_steps"] * world_size
     step.joinpath("position.json").write_text(json.dumps({
-        "step": 6, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": None,
+        "step": 6, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": zero_stage,
         "mixed_precision": "no", **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}}))
     return step
 
@@ -564,6 +564,12 @@ def test_a_resume_by_path_is_checked_in_the_checkpoint_s_folder_as_train_py_resu
     checkpoint's own folder is, as train.py would refuse it."""
     import fcntl
 
+    # As train.py does, the check refuses ZeRO's states on another number of processes with the best model's reload.
+    zero = made_checkpoint(tmp_path / "zero", zero_stage=2, per_device_train_batch_size=32,
+                           gradient_accumulation_steps=1)
+    status, out, err = run_check(capsys, "--config_file", REPO / "accelerate_configs" / "zero2.yaml", "--target",
+                                 "cpu", "--resume", zero, "--load_best_model_at_end", "--eval_steps", 500)
+    assert status == 1 and f"conflict: cannot resume {zero} on 2 processes with --load_best_model_at_end" in err
     step = made_checkpoint(tmp_path / "run", per_device_train_batch_size=32, gradient_accumulation_steps=1)
     monkeypatch.chdir(tmp_path)
     cpu = ["--config_file", REPO / "accelerate_configs" / "cpu.yaml", "--target", "cpu", "--resume", step]

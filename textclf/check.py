@@ -62,7 +62,7 @@ if __name__ == "__main__":
 
 import torch
 
-from .checkpoint import batch_split, check_launch, find_resume_checkpoint, read_verified_position
+from .checkpoint import batch_split, check_launch, find_resume_checkpoint, needs_universal, read_verified_position
 from .data import sample_key
 from .job import load_data
 from .launch import deepspeed_conflicts, fewer_processes, zero_offload
@@ -442,11 +442,13 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
             resume_line = check_launch(*resumed, {"num_processes": world, "distributed_type": kind,
                                                   "zero_stage": stage if kind == "DEEPSPEED" else None,
                                                   "mixed_precision": precision})
+            needs_universal(*resumed, world, cfg.load_best_model_at_end)  # refuses what train.py would
         except InputError as e:
             conflicts.append(str(e))
         else:
             resume_line = f"{resumed[0]}: " + (resume_line.removeprefix(f"resuming {resumed[0]}, ") if resume_line
-                                              else f"the launch that made it, gradient accumulation "
+                                              else f"the launch that made it, micro-batch "
+                                                   f"{cfg.per_device_train_batch_size} and gradient accumulation "
                                                    f"{cfg.gradient_accumulation_steps}")
     model, vocabulary = planned_model(cfg)
     fsdp_wrap = check_fsdp_wrap(launch, model, cfg.model, conflicts, warnings) if kind == "FSDP" else None
