@@ -15,7 +15,7 @@ from textclf.errors import die_with_launcher, run_command
 if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
 
-from textclf.config import TrainConfig, parse_config
+from textclf.config import HELD_OUT, TrainConfig, parse_config
 from textclf.launch import check_launch_early, launch_shortfall
 from textclf.resume import Resume, plan_resume
 
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from textclf import cadence, checkpoint, errors, tracking
-from textclf.data import make_loaders, seed_micro_batch
+from textclf.data import make_loaders, seed_micro_batch, write_examples
 from textclf.divergence import DivergenceWatch
 from textclf.job import build_job
 from textclf.metrics import evaluate_model
@@ -66,7 +66,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
-    train_set, eval_set, label_names, tokenizer, model, data_fingerprint = build_job(
+    train_set, eval_set, label_names, tokenizer, model, data_fingerprint, eval_examples = build_job(
         cfg, accelerator.local_main_process_first)
     accelerator.print(f"data: {len(train_set)} train / {len(eval_set)} eval examples, labels {label_names}; "
                       f"model: {cfg.model}, {parameter_counts(model)['params'] / 1e6:.1f}M parameters")
@@ -98,12 +98,13 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
         tracking.keep_log_until(cfg.output_dir, position["step"])
+        write_examples(eval_examples, task, label_names, os.path.join(cfg.output_dir, HELD_OUT))  # report's default
     tracking.start_trackers(accelerator, cfg.to_dict())
 
     def save(step, epoch, batch_in_epoch, metrics, window, best):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
                  "best": best, "loss_window": gather_object([window.state()]),
-                 "config": cfg.to_dict() | {"gradient_accumulation_steps": resume.asked_accumulation}}
+                 "config": cfg.to_dict() | resume.asked_split}
 
         def describe_model(folder):  # what export needs besides the weights: the config (id2label), the tokenizer
             accelerator.unwrap_model(model).config.save_pretrained(folder)

@@ -537,26 +537,70 @@ def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
     assert checkpointed < plain and "checkpointed" in parts and "DDP gradient buckets" in parts
 
 
-def test_a_resume_shows_the_accumulation_that_keeps_the_checkpoint_s_global_batch(capsys, tmp_path):
+def made_checkpoint(folder, world_size=1, zero_stage=None, **made_with):
+    """A step_6/ folder in `folder` with the position.json of a run of scratch-tiny on `world_size` processes."""
     import dataclasses
 
     from textclf.config import TrainConfig
 
-    made_with = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "model": "scratch-tiny"}
-    step = tmp_path / "run" / "step_6"
+    made_with = {"model": "scratch-tiny", **made_with}
+    step = folder / "step_6"
     step.mkdir(parents=True)
+    global_batch = made_with["per_device_train_batch_size"] * made_with["gradient_accumulation_steps"] * world_size
     step.joinpath("position.json").write_text(json.dumps({
-        "step": 6, "world_size": 1, "global_batch_size": 32, "zero_stage": None, "mixed_precision": "no",
-        **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}}))
+        "step": 6, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": zero_stage,
+        "mixed_precision": "no", **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}}))
+    return step
+
+
+def test_a_resume_shows_the_accumulation_that_keeps_the_checkpoint_s_global_batch(capsys, tmp_path):
+    step = made_checkpoint(tmp_path / "run", per_device_train_batch_size=8, gradient_accumulation_steps=4)
     cpu = ["--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu", "--resume", step]
     status, out, err = run_check(capsys, *cpu)
     assert status == 0, err
     assert report(out)["batch"] == "micro 8 x accumulation 2 x 2 processes = global 32"
-    assert report(out)["resume"] == f"{step}: made by 1 process with gradient accumulation 4, on 2 processes: " \
-                                    "gradient accumulation 2 keeps its global batch of 32"
+    assert report(out)["resume"] == f"{step}: made by 1 process with micro-batch 8 and gradient accumulation 4, " \
+                                    "on 2 processes: micro-batch 8 and gradient accumulation 2 keep its global " \
+                                    "batch of 32"
+    # Beyond what the accumulation can give, the micro-batch is split.
+    status, out, err = run_check(capsys, *cpu, "--num_processes", 8)
+    assert status == 0, err
+    assert report(out)["batch"] == "micro 4 x accumulation 1 x 8 processes = global 32"
     status, out, err = run_check(capsys, *cpu, "--num_processes", 3)
     assert status == 1 and "on 3 processes: its global batch of 32" in err
-    assert "resume it on 1, 2, 4 processes" in err
+    assert "resume it on 1, 2, 4, 8, 16, 32 processes" in err
     status, out, err = run_check(capsys, "--config_file", "accelerate_configs/zero2.yaml", "--target", "cpu",
                                  "--resume", step)
     assert status == 1 and "DeepSpeed ZeRO stage None (this launch: 2)" in err
+
+
+def test_a_resume_by_path_is_checked_in_the_checkpoint_s_folder_as_train_py_resumes_it(capsys, tmp_path, monkeypatch):
+    """Another run holding the default output folder is no concern of a checkpoint elsewhere; one holding the
+    checkpoint's own folder is, as train.py would refuse it."""
+    import fcntl
+
+    # As train.py does, the check refuses ZeRO's states on another number of processes with the best model's reload.
+    zero = made_checkpoint(tmp_path / "zero", zero_stage=2, per_device_train_batch_size=32,
+                           gradient_accumulation_steps=1)
+    status, out, err = run_check(capsys, "--config_file", REPO / "accelerate_configs" / "zero2.yaml", "--target",
+                                 "cpu", "--resume", zero, "--load_best_model_at_end", "--eval_steps", 500)
+    assert status == 1 and f"conflict: cannot resume {zero} on 2 processes with --load_best_model_at_end" in err
+    step = made_checkpoint(tmp_path / "run", per_device_train_batch_size=32, gradient_accumulation_steps=1)
+    monkeypatch.chdir(tmp_path)
+    cpu = ["--config_file", REPO / "accelerate_configs" / "cpu.yaml", "--target", "cpu", "--resume", step]
+    for held in (tmp_path / "checkpoints", tmp_path / "run"):
+        held.mkdir(exist_ok=True)
+        with open(held / ".lock", "w") as lock:
+            lock.write("pid 1 on another host")
+            lock.flush()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            status, out, err = run_check(capsys, *cpu)
+        if held.name == "checkpoints":
+            assert status == 0, err
+            # From 1 process to 2 with the default accumulation: the micro-batch halves.
+            assert report(out)["batch"] == "micro 16 x accumulation 1 x 2 processes = global 32"
+            assert report(out)["resume"].endswith("on 2 processes: micro-batch 16 and gradient accumulation 1 keep "
+                                                  "its global batch of 32")
+        else:
+            assert status == 2 and f"error: {held} is in use by another run (pid 1 on another host)" in err
+        (held / ".lock").unlink()

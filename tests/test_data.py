@@ -171,3 +171,81 @@ def test_a_damaged_tokenizer_cache_is_one_line_and_learnt_again_once_deleted(tmp
     assert name in line and line.endswith("delete that folder, and the next run learns one again from the data")
     shutil.rmtree(folder)
     assert len(get_tokenizer("scratch-tiny", texts, str(tmp_path), "key", 32)) == len(learnt)
+
+
+def test_the_held_out_split_nobody_asked_for_is_capped_and_one_asked_for_is_not(capsys):
+    """10%, at most 10,000 examples, said once; a fraction or a number of examples asked for is held out whole.
+    The same draw every time: a resume and the report rebuild it."""
+    from datasets import Dataset
+
+    from textclf.data import hold_out
+    from textclf.task import Task
+
+    task = Task.of("single_label", "review", "label")
+    table = Dataset.from_dict({"text": [f"评论{i}" for i in range(120_000)], "labels": [i % 3 for i in range(120_000)]})
+    names = ["a", "b", "c"]
+    train, held = hold_out(table, names, "big.csv", task, None, 0)
+    assert (len(train), len(held)) == (110_000, 10_000)
+    assert sorted(set(held["labels"])) == [0, 1, 2] and held["labels"].count(0) in (3333, 3334)
+    assert capsys.readouterr().out == ("eval: 10,000 examples (10%, at most 10,000; --eval_split asks for more) of "
+                                       "big.csv held out, stratified by label\n")
+    assert hold_out(table, names, "big.csv", task, None, 0)[1]["text"] == held["text"]
+    for asked, size in ((0.2, 24_000), (30_000.0, 30_000)):
+        assert len(hold_out(table, names, "big.csv", task, asked, 0)[1]) == size
+    small = table.select(range(5_000))
+    assert len(hold_out(small, names, "small.csv", task, None, 0)[1]) == 500
+    capsys.readouterr()
+    with pytest.raises(InputError, match="cannot hold out 5,000 examples of small.csv: it has 5,000 examples"):
+        hold_out(small, names, "small.csv", task, 5_000.0, 0)
+
+
+@pytest.mark.parametrize("eval_split, valid", [(0.5, True), (2500, True), (1, True), (0, False), (1.5, False),
+                                               (-3, False)])
+def test_eval_split_is_a_fraction_or_a_number_of_examples(eval_split, valid):
+    from textclf.config import TrainConfig
+
+    if valid:
+        assert TrainConfig(eval_split=eval_split).eval_split == eval_split
+    else:
+        with pytest.raises(InputError, match="eval_split must be a fraction in .0, 1. or a whole number of examples"):
+            TrainConfig(eval_split=eval_split)
+
+
+@pytest.mark.parametrize("kind, columns, rows", [
+    ("single_label", ("review", "stars"), [{"review": "好", "stars": 2}, {"review": "差", "stars": 10},
+                                           {"review": "还行", "stars": 2}]),
+    ("multi_label", ("review", "tags"), [{"review": "好", "tags": ["味道", "服务"]}, {"review": "差", "tags": []},
+                                         {"review": "慢", "tags": ["配送"]}]),
+    ("regression", ("review", "score"), [{"review": "好", "score": 4.3}, {"review": "差", "score": 1.1}]),
+    ("single_label", ("query", "label", "answer"), [{"query": "问", "answer": "答", "label": "yes"},
+                                                    {"query": "问2", "answer": "答2", "label": "no"}]),
+])
+def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examples(tmp_path, kind, columns, rows):
+    from textclf.data import read_labelled, write_examples
+    from textclf.task import Task
+
+    task = Task.of(kind, *columns)
+    source = write(tmp_path / "data.jsonl", json_lines(rows).encode())
+    table, names = read_labelled(source, task)
+    (tmp_path / "elsewhere").write_text("untouched")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "eval.jsonl.tmp")  # a link at the temporary name is not followed
+    write_examples(table, task, names, str(tmp_path / "eval.jsonl"))
+    assert (tmp_path / "elsewhere").read_text() == "untouched" and not os.path.lexists(tmp_path / "eval.jsonl.tmp")
+    written = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [set(row) for row in written] == [set(row) for row in rows]
+    assert [row[task.label_column] for row in written] == [
+        str(row[task.label_column]) if kind == "single_label" else row[task.label_column] for row in rows]
+    again, _ = read_labelled(str(tmp_path / "eval.jsonl"), task, names=names)
+    assert again.to_dict() == table.to_dict()
+
+
+def test_a_text_column_called_text_is_fingerprinted_as_any_other(tmp_path):
+    """`datasets` hands a file's own `text` column on as large_string, which Arrow's join did not take."""
+    from textclf.data import fingerprint, read_labelled
+    from textclf.task import Task
+
+    rows = "".join(f"{i % 2},评论{i}\n" for i in range(6))
+    prints = {column: fingerprint(read_labelled(write(tmp_path / f"{column}.csv", f"stars,{column}\n{rows}".encode()),
+                                                Task.of("single_label", column, "stars"))[0])
+              for column in ("text", "review")}
+    assert prints["text"] == prints["review"]

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, assert_refused, read_csv, refusal, run_module
 from textclf.data import clean_text
 from textclf.loading import load_trained
-from textclf.predict import main, predict_logits
+from textclf.predict import inference_accelerator, main, predict_logits
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,23 @@ def test_without_output_each_text_s_label_and_probability_go_to_the_terminal(tin
         assert name == model.config.id2label[int(expected.argmax())]
         assert float(probability) == pytest.approx(float(expected.max()), abs=1e-4)
     assert set(os.listdir(REPO)) == before and "wrote" not in stdout  # nothing written
+
+
+def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny_model, capsys):
+    """Evaluation's bar on the main process, whatever the eval set's size; predict's from two batches on."""
+    from datasets import Dataset
+
+    from textclf.data import length_sorted_loader, tokenize
+    from textclf.metrics import evaluate_model
+    from textclf.task import Task
+
+    model, tokenizer = load_trained(str(tiny_model))
+    texts = ["好吃", "太差了", "还行吧", "不错", "一般"]
+    predict_logits(model, tokenizer, texts, batch_size=8, progress=True)
+    assert "predict" not in capsys.readouterr().err  # one batch: over at once
+    predict_logits(model, tokenizer, texts, batch_size=2, progress=True)
+    assert "predict: " in capsys.readouterr().err
+    table = tokenize(Dataset.from_dict({"text": texts, "labels": [1, 0, 1, 1, 0]}), tokenizer, 32)
+    scores = evaluate_model(model, length_sorted_loader(table, tokenizer, 8), inference_accelerator(),
+                            Task.of("single_label", "review", "label"))
+    assert scores["eval_samples"] == 5 and "eval: " in capsys.readouterr().err

@@ -93,3 +93,44 @@ def test_labels_the_model_does_not_know_are_one_clear_error(tiny_model, tmp_path
     assert (f"{data} has 1 label ('neutral') not seen in the training data (known: 2 labels ('negative', "
             "'positive'))") in errors[0]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_the_report_scores_the_examples_the_run_evaluated_by_default_numbers_as_labels(tmp_path, reviews_csv,
+                                                                                      cache_dir):
+    """The run writes the held-out examples it evaluated (eval.jsonl, in the data's columns and label values);
+    the report, given no --file, scores them, and agrees with the run's own last evaluation. Labels 0 and 1 in a
+    file match a model trained on 0 and 1; names it was not trained on are still refused."""
+    from conftest import read_csv, read_log, train_forked, write_csv
+
+    numbers = write_csv(tmp_path / "numbers.csv", [{"stars": int(row["label"] == "positive"), "text": row["review"]}
+                                                   for row in read_csv(reviews_csv)])
+    out = tmp_path / "run"
+    train_forked([*TINY, "--data", numbers, "--text_column", "text", "--label_column", "stars", "--cache_dir",
+                  cache_dir, "--output_dir", out, "--max_steps", 8, "--save_strategy", "no"], config_file=None)
+    rows = [json.loads(line) for line in (out / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 24 and all(set(row) == {"text", "stars"} and row["stars"] in ("0", "1") for row in rows)
+    assert {row["text"] for row in rows} <= {row["review"] for row in read_csv(reviews_csv)}
+    last = [row for row in read_log(out) if "eval_accuracy" in row][-1]
+
+    result = run_module("textclf.report", ["--model", out / "model", "--output_dir", tmp_path / "report",
+                                           "--no_baseline"])
+    report = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
+    assert report["file"] == str(out / "eval.jsonl") and report["labels"] == ["0", "1"]
+    assert report["samples"] == last["eval_samples"] == 24
+    assert report["accuracy"] == pytest.approx(last["eval_accuracy"]) and "24 examples of" in result.stdout
+    # The same file with numbers for labels, as a user's own test file would have them.
+    as_numbers = tmp_path / "as_numbers.csv"
+    write_csv(as_numbers, [{"text": row["text"], "stars": int(row["stars"])} for row in rows])
+    run_module("textclf.report", ["--model", out / "model", "--file", as_numbers, "--output_dir", tmp_path / "again",
+                                  "--no_baseline"])
+    assert json.loads((tmp_path / "again" / "report.json").read_text())["accuracy"] == report["accuracy"]
+    named = write_csv(tmp_path / "named.csv", [{"text": row["review"], "stars": row["label"]}
+                                               for row in read_csv(reviews_csv)[:4]])
+    refused = run_module("textclf.report", ["--model", out / "model", "--file", named, "--output_dir", tmp_path / "r"],
+                         check=False)
+    assert refused.returncode == 2 and "not seen in the training data (known: 0, 1)" in refused.stderr
+    moved = tmp_path / "moved"
+    (out / "model").rename(moved)
+    refused = run_module("textclf.report", ["--model", moved, "--output_dir", tmp_path / "r"], check=False)
+    assert refused.returncode == 2 and f"no --file given, and {tmp_path / 'eval.jsonl'}" in refused.stderr

@@ -661,8 +661,8 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_keeping_the_global_
                  **on(zoo_file, made_on))
     resumed = train_forked([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_5"],
                            **on(zoo_file, resumed_on))
-    assert (f"on {resumed_on} process{'es' * (resumed_on > 1)}: gradient accumulation "
-            f"{made_on * accumulation // resumed_on} keeps its global batch of 16") in resumed.stdout
+    assert (f"on {resumed_on} process{'es' * (resumed_on > 1)}: micro-batch 8 and gradient accumulation "
+            f"{made_on * accumulation // resumed_on} keep its global batch of 16") in resumed.stdout
     assert_close_run(tmp_path / "full", tmp_path / "resumed", 5)
     made = json.loads((tmp_path / "resumed" / "step_10" / "position.json").read_text())
     assert (made["world_size"], made["gradient_accumulation_steps"], made["global_batch_size"]) == \
@@ -670,6 +670,45 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_keeping_the_global_
     # The accumulation asked for stays in the config: the same command resumes it on either number of processes.
     assert made["config"]["gradient_accumulation_steps"] == accumulation
     assert not [name for name in os.listdir(tmp_path / "resumed") if name.startswith(".universal_")]
+
+
+@pytest.fixture(scope="module")
+def dropout_free_model(tmp_path_factory, tiny_model):
+    """tiny_model without dropout: the masks of micro-batches of another size are all that would tell apart two
+    runs whose global batches split into micro-batches differently."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from textclf.model_folder import save_verified
+
+    model = BertForSequenceClassification.from_pretrained(tiny_model, hidden_dropout_prob=0.0,
+                                                          attention_probs_dropout_prob=0.0)
+    return save_verified(model, AutoTokenizer.from_pretrained(tiny_model),
+                         str(tmp_path_factory.mktemp("dropout_free") / "model"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zoo_file", ["cpu.yaml", "zero2.yaml"])
+def test_a_checkpoint_without_accumulation_resumes_on_more_processes_in_smaller_micro_batches(
+        tmp_path, args, dropout_free_model, zoo_file):
+    """Made by 1 process in micro-batches of 16 with no accumulation to trade, resumed on 2 processes: each takes
+    micro-batches of 8, the same examples per optimizer step; DeepSpeed is given the micro-batch of 8."""
+    run = [*args, "--model", dropout_free_model, "--learning_rate", "1e-3", "--per_device_train_batch_size", 16,
+           "--max_steps", 10, "--save_steps", 5, "--logging_steps", 1, "--allow_pickle"]
+    train_forked([*run, "--output_dir", tmp_path / "full"], **on(zoo_file, 1))
+    resumed = train_forked([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_5"],
+                           **on(zoo_file, 2))
+    assert ("made by 1 process with micro-batch 16 and gradient accumulation 1, on 2 processes: micro-batch 8 and "
+            "gradient accumulation 1 keep its global batch of 16") in resumed.stdout
+    assert_close_run(tmp_path / "full", tmp_path / "resumed", 5)
+    made = json.loads((tmp_path / "resumed" / "step_10" / "position.json").read_text())
+    assert (made["world_size"], made["per_device_train_batch_size"], made["global_batch_size"]) == (2, 8, 16)
+    assert made["config"]["per_device_train_batch_size"] == 16  # asked for: on 1 process it is 16 again
+    if zoo_file != "cpu.yaml":
+        import torch
+
+        states = next((tmp_path / "resumed" / "step_10" / "pytorch_model").glob("*model_states.pt"))
+        ds_config = torch.load(states, map_location="cpu", weights_only=False)["ds_config"]
+        assert (ds_config["train_micro_batch_size_per_gpu"], ds_config["train_batch_size"]) == (8, 16)
 
 
 def test_slurm_script_forwards_the_time_limit_s_sigterm_and_requeues_the_same_command(tmp_path):

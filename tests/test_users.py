@@ -377,25 +377,40 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names
 
     made = {"world_size": 2, "gradient_accumulation_steps": 3, "per_device_train_batch_size": 8,
             "global_batch_size": 48, "zero_stage": None, "mixed_precision": "no"}
-    assert checkpoint.accumulation_for("ck", made, 1) == 6 and checkpoint.accumulation_for("ck", made, 6) == 1
+
+    def split(world_size, position=made):
+        found = checkpoint.batch_split("ck", position, world_size)
+        return found["per_device_train_batch_size"], found["gradient_accumulation_steps"]
+
+    # Down and up: the accumulation changes while it can, then the micro-batch.
+    assert [split(n) for n in (1, 3, 6, 12, 48)] == [(8, 6), (8, 2), (8, 1), (4, 1), (1, 1)]
+    # The micro-batch a resume made smaller grows back to the one asked for (the checkpoint's config).
+    assert split(1, {**made, "world_size": 12, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+                     "config": {"per_device_train_batch_size": 8}}) == (8, 6)
     assert checkpoint.check_launch("ck", made, {**RUN, "num_processes": 3}) == (
-        "resuming ck, made by 2 processes with gradient accumulation 3, on 3 processes: gradient accumulation 2 "
-        "keeps its global batch of 48")
+        "resuming ck, made by 2 processes with micro-batch 8 and gradient accumulation 3, on 3 processes: "
+        "micro-batch 8 and gradient accumulation 2 keep its global batch of 48")
+    assert checkpoint.check_launch("ck", made, {**RUN, "num_processes": 12}).endswith(
+        "on 12 processes: micro-batch 4 and gradient accumulation 1 keep its global batch of 48")
     with pytest.raises(InputError) as refused:
-        checkpoint.accumulation_for("ck", made, 4)
+        split(5)
     assert str(refused.value) == (
-        "cannot resume from ck on 4 processes: its global batch of 48 (2 processes x micro-batch 8 x accumulation 3) "
-        "is not a whole number of micro-batches of 8 per process; resume it on 1, 2, 3, 6 processes (accelerate "
-        "launch --num_processes N ... train.py --resume ck)")
+        "cannot resume from ck on 5 processes: its global batch of 48 (2 processes x micro-batch 8 x accumulation 3) "
+        "does not split into equal micro-batches over 5 processes; resume it on 1, 2, 3, 4, 6, 8, 12, 16, 24, 48 "
+        "processes (accelerate launch --num_processes N ... train.py --resume ck)")
     with pytest.raises(InputError, match="made by an older textclf, whose data order depended on the number of "
                                          "processes"):
-        checkpoint.accumulation_for("ck", {**made, "global_batch_size": None}, 2)
+        split(2, {**made, "global_batch_size": None})
     # the position as the new launch counts it: batches per process into the epoch, the loss window split evenly
     window = {"loss_sum": 3.0, "losses": 6, "samples": 48, "real_tokens": 301, "padded_tokens": 400}
-    moved = checkpoint.on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 3, 2)
+    moved = checkpoint.on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 3, 2, 8)
     assert moved["batch_in_epoch"] == 6
     assert moved["loss_window"] == [{"loss_sum": 2.0, "losses": 4, "samples": 32, "real_tokens": 200 + extra,
                                      "padded_tokens": 266 + 2 * (extra > 0)} for extra in (2, 0, 0)]
+    # in micro-batches half as big: twice the losses, of the same mean
+    moved = checkpoint.on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 12, 1, 4)
+    assert moved["batch_in_epoch"] == 3
+    assert [(w["loss_sum"], w["losses"], w["samples"]) for w in moved["loss_window"]] == [(1.0, 2, 8)] * 12
 
 
 @pytest.mark.parametrize("command, status, said", [
@@ -679,7 +694,7 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
     lines = [re.sub(r"in \d+\.\d s$", "in <time>", line) for line in capsys.readouterr().out.splitlines()]
     assert lines == [f"warning: dropped 1 row(s) with empty text from {tmp_path / 'd.csv'}",
                      f"data: read {tmp_path / 'd.csv'}: 20 rows in <time>",
-                     f"eval: 25% of {tmp_path / 'd.csv'} held out, stratified by label",
+                     f"eval: 25% (5 examples) of {tmp_path / 'd.csv'} held out, stratified by label",
                      "data: labels and split: 15 train / 5 eval examples in <time>"]
 
 

@@ -53,7 +53,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     if args.config_file is not None and not os.path.isfile(args.config_file):
         raise InputError(f"accelerate config not found: {args.config_file}; check the path, or leave out "
                          "--config_file for accelerate's default config")
-    return args, parse_config(training_args)
+    from .resume import resolve  # a resume's config: the checkpoint's under the command line's, as train.py has it
+
+    return args, resolve(parse_config(training_args), training_args)[2]
 
 
 if __name__ == "__main__":
@@ -62,7 +64,7 @@ if __name__ == "__main__":
 
 import torch
 
-from .checkpoint import accumulation_for, check_launch, choose_checkpoint, read_verified_position
+from .checkpoint import batch_split, check_launch, find_resume_checkpoint, needs_universal, read_verified_position
 from .data import sample_key
 from .job import load_data
 from .launch import cuda_only, deepspeed_conflicts, fewer_processes, zero_offload
@@ -398,7 +400,7 @@ def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
     folder)."""
     if not cfg.resume:
         return None
-    path = choose_checkpoint(cfg.resume, cfg.output_dir, True)
+    path = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)  # as train.py finds it
     return (path, read_verified_position(path)) if path else None
 
 
@@ -411,9 +413,9 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     check_topology(launch, conflicts)
     precision, source = launch["mixed_precision"], launch["precision_source"]
     resumed = resume_checkpoint(cfg)
-    if resumed:  # the accumulation that keeps its global batch on this launch's processes
+    if resumed:  # the micro-batch and accumulation that keep its global batch on this launch's processes
         try:
-            cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accumulation_for(*resumed, world))
+            cfg = dataclasses.replace(cfg, **batch_split(*resumed, world))
         except InputError as e:
             conflicts.append(str(e))
             resumed = None
@@ -443,11 +445,13 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
             resume_line = check_launch(*resumed, {"num_processes": world, "distributed_type": kind,
                                                   "zero_stage": stage if kind == "DEEPSPEED" else None,
                                                   "mixed_precision": precision})
+            needs_universal(*resumed, world, cfg.load_best_model_at_end)  # refuses what train.py would
         except InputError as e:
             conflicts.append(str(e))
         else:
             resume_line = f"{resumed[0]}: " + (resume_line.removeprefix(f"resuming {resumed[0]}, ") if resume_line
-                                              else f"the launch that made it, gradient accumulation "
+                                              else f"the launch that made it, micro-batch "
+                                                   f"{cfg.per_device_train_batch_size} and gradient accumulation "
                                                    f"{cfg.gradient_accumulation_steps}")
     model, vocabulary = planned_model(cfg)
     fsdp_wrap = check_fsdp_wrap(launch, model, cfg.model, conflicts, warnings) if kind == "FSDP" else None

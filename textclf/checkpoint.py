@@ -52,20 +52,19 @@ LOCK = ".lock"  # held (flock) by the main process of the run that owns the fold
 # What a run stores of its loss window, per rank (tracking.Window.state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
                "padded_tokens": (int,)}
-# What must match between a checkpoint and the run resuming it, and how to say it. The number of processes and
-# the accumulation may change (the data order depends on neither: data.EpochLengthGroupedSampler), as long as
-# they keep the global batch (accumulation_for).
+# What must match between a checkpoint and the run resuming it, and how to say it. The number of processes, the
+# micro-batch and the accumulation may change (the data order depends on none of them:
+# data.EpochLengthGroupedSampler), as long as they keep the global batch (batch_split).
 IDENTITY = {
     "global_batch_size": "global batch (micro-batch x processes x accumulation)",
     "zero_stage": "DeepSpeed ZeRO stage",
     "mixed_precision": "precision (mixed_precision)",
-    "per_device_train_batch_size": "per_device_train_batch_size",
     "model": "model",
     "lora": "lora",
     "data_fingerprint": "training data",
 }
 # Recorded with the identity, not compared: how the checkpoint's launch split its global batch.
-SPLIT = ("world_size", "gradient_accumulation_steps")
+SPLIT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
 _held_locks = []  # the open lock files of this process: closing one would release the folder
 
 
@@ -215,23 +214,30 @@ def processes(n) -> str:
     return f"{n} process{'es' * (n != 1)}"
 
 
-def accumulation_for(checkpoint: str, position: dict, world_size: int) -> int:
-    """The gradient accumulation that keeps the checkpoint's global batch on `world_size` processes, refusing
-    in one line (with the numbers of processes that can) when none does. No torch: it runs before the launch's
-    Accelerator is made, which takes the accumulation."""
-    total, micro = position.get("global_batch_size"), position.get("per_device_train_batch_size")
-    if not (isinstance(total, int) and isinstance(micro, int) and micro > 0):
+def batch_split(checkpoint: str, position: dict, world_size: int) -> dict:
+    """The micro-batch and gradient accumulation that make up the checkpoint's global batch on `world_size`
+    processes (per_device_train_batch_size, gradient_accumulation_steps): the micro-batch its run asked for with
+    another accumulation where that divides, else the largest smaller micro-batch that does (on more processes
+    than it has micro-batches). Refused in one line, with the numbers of processes that can, when none does. No
+    torch: it runs before the launch's Accelerator is made, which takes the accumulation."""
+    total, made = position.get("global_batch_size"), position.get("per_device_train_batch_size")
+    if not (isinstance(total, int) and isinstance(made, int) and made > 0):
         raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
                          "depended on the number of processes; resume it with the textclf that made it, or start "
                          "a new run")
-    if total % (micro * world_size):
-        fits = [n for n in range(1, total // micro + 1) if (total // micro) % n == 0]
+    # The micro-batch asked for is in the checkpoint's config: a resume on more processes may have made it smaller.
+    asked = (position.get("config") or {}).get("per_device_train_batch_size")
+    asked = asked if isinstance(asked, int) and asked > 0 else made
+    micro = next((size for size in range(min(asked, total // world_size), 0, -1)
+                  if total % (size * world_size) == 0), None)
+    if micro is None:
+        fits = [n for n in range(1, total + 1) if total % n == 0]
         raise InputError(f"cannot resume from {checkpoint} on {processes(world_size)}: its global batch of {total} "
-                         f"({processes(position.get('world_size'))} x micro-batch {micro} x accumulation "
-                         f"{position.get('gradient_accumulation_steps')}) is not a whole number of micro-batches of "
-                         f"{micro} per process; resume it on {', '.join(map(str, fits))} processes "
+                         f"({processes(position.get('world_size'))} x micro-batch {made} x accumulation "
+                         f"{position.get('gradient_accumulation_steps')}) does not split into equal micro-batches "
+                         f"over {processes(world_size)}; resume it on {', '.join(map(str, fits))} processes "
                          f"(accelerate launch --num_processes N ... train.py --resume {checkpoint})")
-    return total // (micro * world_size)
+    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": total // (micro * world_size)}
 
 
 def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
@@ -251,22 +257,32 @@ def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
                          f"resume it with {launch_for(position)} --resume {checkpoint}")
     if made_on == this["world_size"]:
         return None
-    return (f"resuming {checkpoint}, made by {processes(made_on)} with gradient accumulation "
-            f"{position.get('gradient_accumulation_steps')}, on {processes(this['world_size'])}: gradient "
-            f"accumulation {accumulation_for(checkpoint, position, this['world_size'])} keeps its global batch of "
-            f"{position['global_batch_size']}")
+    split = batch_split(checkpoint, position, this["world_size"])
+    return (f"resuming {checkpoint}, made by {processes(made_on)} with micro-batch "
+            f"{position['per_device_train_batch_size']} and gradient accumulation "
+            f"{position.get('gradient_accumulation_steps')}, on {processes(this['world_size'])}: micro-batch "
+            f"{split['per_device_train_batch_size']} and gradient accumulation {split['gradient_accumulation_steps']} "
+            f"keep its global batch of {position['global_batch_size']}")
 
 
-def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int) -> dict:
+def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int,
+                   micro_batch: Optional[int] = None) -> dict:
     """The position as this launch counts it: batches per process into the epoch, and the loss window split
-    evenly over this launch's processes (a checkpoint sits where gradients sync, so both divide exactly)."""
+    evenly over this launch's processes in micro-batches of `micro_batch` (by default the checkpoint's): a
+    checkpoint sits where gradients sync, so all of them divide exactly."""
     made_on, made_with = position.get("world_size"), position.get("gradient_accumulation_steps")
-    if made_on == world_size:
+    made_micro = position.get("per_device_train_batch_size")
+    micro_batch = micro_batch or made_micro
+    if made_on == world_size and micro_batch == made_micro:
         return position
     windows = position.get("loss_window")
     if isinstance(windows, list) and all(isinstance(w, dict) for w in windows) and \
-            all(type(w.get(key)) in types for w in windows for key, types in WINDOW_KEYS.items()):
+            all(type(w.get(key)) in types for w in windows for key, types in WINDOW_KEYS.items()) and \
+            isinstance(made_micro, int) and made_micro > 0:
         totals = {key: sum(w[key] for w in windows) for key in WINDOW_KEYS}
+        # A loss is one micro-batch's mean: a micro-batch split in two is two losses of the same mean.
+        totals |= {"loss_sum": totals["loss_sum"] * made_micro / micro_batch,
+                   "losses": totals["losses"] * made_micro // micro_batch}
         windows = [{"loss_sum": totals["loss_sum"] / world_size, "losses": totals["losses"] // world_size,
                     **{key: totals[key] // world_size + (totals[key] % world_size if rank == 0 else 0)
                        for key in ("samples", "real_tokens", "padded_tokens")}} for rank in range(world_size)]

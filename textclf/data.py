@@ -31,7 +31,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from .config import DATA_FORMATS, DEFAULT_DATA, require_data
-from .errors import InputError, say
+from .errors import InputError, say, write_failed
 from .task import Task
 
 # Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes:
@@ -357,8 +357,8 @@ def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] =
     return table.remove_columns(["label", "row"]).add_column("labels", encoded, feature=feature), names
 
 
-def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, delimiter: Optional[str] = None,
-                encoding: Optional[str] = None):
+def load_splits(data: str, eval_data, task: Task, eval_split: Optional[float], seed: int,
+                delimiter: Optional[str] = None, encoding: Optional[str] = None):
     """The train and eval Datasets (columns `text`, `text_pair` for pairs, `labels`) and the label names."""
     start = time.perf_counter()
     table = select_columns(load_table(data, delimiter, encoding), data, task)
@@ -374,25 +374,68 @@ def load_splits(data: str, eval_data, task: Task, eval_split: float, seed: int, 
     return train, held_out, names
 
 
-def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split: float, seed: int):
-    """Split off `eval_split` of the examples, stratified as the task says it can be, and say how."""
-    strata, how = task.strata(train["labels"][:], math.ceil(eval_split * len(train)), names,
-                              f"cannot hold out {eval_split:.0%} of {path}")
-    say(f"eval: {eval_split:.0%} of {path} held out, {how}")
+# The held-out split nobody asked for: a fraction of the data, up to a size whose scores are precise enough (a
+# standard error of accuracy under 0.5 points) and whose evaluation takes seconds, not minutes.
+DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX = 0.1, 10_000
+
+
+def held_out_size(eval_split: Optional[float], examples: int) -> tuple[int, str]:
+    """(How many of `examples` to hold out, how to say it): `eval_split` as a fraction or a number of examples,
+    or by default DEFAULT_EVAL_FRACTION of them, at most DEFAULT_EVAL_MAX."""
+    if eval_split is None:
+        size = min(math.ceil(DEFAULT_EVAL_FRACTION * examples), DEFAULT_EVAL_MAX)
+        capped = size < math.ceil(DEFAULT_EVAL_FRACTION * examples)
+        return size, (f"{size:,} examples ({DEFAULT_EVAL_FRACTION:.0%}, at most {DEFAULT_EVAL_MAX:,}; "
+                      "--eval_split asks for more)" if capped else f"{DEFAULT_EVAL_FRACTION:.0%} ({size:,} examples)")
+    if eval_split < 1:
+        size = math.ceil(eval_split * examples)
+        return size, f"{eval_split:.0%} ({size:,} examples)"
+    return int(eval_split), f"{int(eval_split):,} examples"
+
+
+def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split: Optional[float], seed: int):
+    """Split off `eval_split` of the examples (held_out_size), stratified as the task says it can be, and say how."""
+    held_out, what = held_out_size(eval_split, len(train))
+    if held_out >= len(train):
+        raise InputError(f"cannot hold out {what} of {path}: it has {len(train):,} examples; ask for fewer with "
+                         "--eval_split, or give a held-out file with --eval_data")
+    strata, how = task.strata(train["labels"][:], held_out, names, f"cannot hold out {what} of {path}")
+    say(f"eval: {what} of {path} held out, {how}")
     if strata is None:
-        split = train.train_test_split(test_size=eval_split, seed=seed)
+        split = train.train_test_split(test_size=held_out, seed=seed)
         return split["train"], split["test"]
     stratum_id = {stratum: i for i, stratum in enumerate(sorted(set(strata)))}
-    held_out = math.ceil(eval_split * len(train))
     # train_test_split(stratify_by_column=...)'s own draw, given the strata in memory: it reads a column row by row.
     try:
         kept, held = next(stratified_shuffle_split_generate_indices(
             np.array([stratum_id[stratum] for stratum in strata]), len(train) - held_out, held_out,
             rng=np.random.default_rng(seed)))
     except ValueError as e:
-        raise InputError(f"cannot hold out {eval_split:.0%} of {path} {how}: {e}; give a held-out file with "
+        raise InputError(f"cannot hold out {what} of {path} {how}: {e}; give a held-out file with "
                          "--eval_data") from None
     return train.select(kept), train.select(held)
+
+
+def write_examples(table: Dataset, task: Task, names: list[str], path: str) -> None:
+    """The examples of a table that load_splits made, as JSON Lines in the data's own columns (the task's text
+    columns and its label column, each label as the data names it: Task.cell), which --data, --eval_data and the
+    report read back as the same examples. Written through a new temporary file and a rename: never through a
+    link that stands at either name."""
+    columns = task.text_columns
+    tmp = f"{path}.tmp"
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)  # left by a run killed while writing; a link is removed, not followed
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as f:
+            for batch in table.select_columns([*columns, "labels"]).iter(batch_size=1000):
+                for i, label in enumerate(batch["labels"]):
+                    row = {column: batch[name][i] for name, column in columns.items()}
+                    f.write(json.dumps({**row, task.label_column: task.cell(label, names)}, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_failed("write", path, e, "free space or make the folder writable, then run again") from None
 
 
 def fingerprint(table: Dataset) -> str:
@@ -403,7 +446,9 @@ def fingerprint(table: Dataset) -> str:
     for batch in table.select_columns(["labels", *columns]).with_format("arrow").iter(batch_size=65536):
         digest.update(json.dumps(batch["labels"].to_pylist()).encode())
         for column in columns:
-            texts = batch[column].combine_chunks()
+            # A file's own `text` column comes through select_columns as large_string: hashed as string, the same
+            # examples give the same fingerprint whatever their column was called.
+            texts = batch[column].combine_chunks().cast(pa.string())
             digest.update(pc.binary_length(texts).to_numpy().tobytes())  # where each text ends
             digest.update(pc.binary_join(pa.ListArray.from_arrays([0, len(texts)], texts), "")[0].as_buffer())
     return digest.hexdigest()[:16]

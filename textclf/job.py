@@ -24,6 +24,7 @@ class Job(NamedTuple):
     tokenizer: PreTrainedTokenizerBase
     model: PreTrainedModel  # with LoRA adapters when cfg.lora
     data_fingerprint: str  # of the training examples, for resume to recognise them
+    eval_examples: Dataset  # the eval set as read (text, text_pair for pairs, labels), for the run to write out
 
 
 def load_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, list[str], str]:
@@ -43,6 +44,7 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     """
     config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)  # a model it cannot train stops here
     train_set, eval_set, label_names, data_fingerprint = load_data(cfg)
+    eval_examples = eval_set
     state = PartialState()
     what = (f"the local main process to prepare the tokenizer and tokenize {len(train_set):,} + {len(eval_set):,} "
             "examples")
@@ -59,7 +61,7 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     model = make_model(config, None if scratch_size(cfg.model) else cfg.model, lora=lora_settings(cfg),
                        torch_dtype=cfg.torch_dtype, gradient_checkpointing=cfg.gradient_checkpointing,
                        trust_remote_code=cfg.trust_remote_code)
-    return Job(train_set, eval_set, label_names, tokenizer, model, data_fingerprint)
+    return Job(train_set, eval_set, label_names, tokenizer, model, data_fingerprint, eval_examples)
 
 
 # The other ranks are silent while the local main process prepares the data, minutes for millions of rows: past

@@ -35,7 +35,7 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
 def check_launch_early(cfg) -> None:
     """Before the heavy imports and any data: refuse a data file that is not there, and a launch that contradicts
     itself (a --mixed_precision other than the launch's, a DeepSpeed JSON unreadable or hard-coding what the
-    training config owns; `cfg` is the one resume.plan_resume gave, with a resumed run's accumulation). Last,
+    training config owns; `cfg` is the one resume.plan_resume gave, with a resumed run's batch split). Last,
     with torch and accelerate loaded (a second) but not yet transformers or the data, what this machine lacks: a
     CUDA GPU for fp16, a tracker asked for."""
 

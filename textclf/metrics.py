@@ -1,6 +1,7 @@
 """The evaluation loop: the task's scores over the whole eval set, every process evaluating its shard."""
 
 import torch
+from tqdm.auto import tqdm
 
 from .task import Task
 
@@ -16,7 +17,9 @@ def evaluate_model(model, loader, accelerator, task: Task) -> dict:
     model.eval()
     # no_grad, not inference_mode: ZeRO-3 gathers parameters during the forward pass.
     with torch.no_grad():
-        for batch in loader:
+        # A bar like training's, below it while it runs, gone after: an evaluation takes a while on a large eval set.
+        for batch in tqdm(loader, desc="eval", unit="batch", leave=False,
+                          disable=not accelerator.is_local_main_process):
             predictions = task.predictions(model(**batch).logits)
             predictions, references = accelerator.gather_for_metrics((predictions, task.targets(batch["labels"])))
             predictions_all += predictions.tolist()

@@ -1,6 +1,7 @@
 """Evaluate a trained model on a labelled file, beside a baseline fitted on the model's own training data.
 
     python -m textclf.report --model checkpoints/model --file test.csv --output_dir report/
+    python -m textclf.report --model checkpoints/model --output_dir report/    # the examples the run evaluated
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.report --model ... --file ... ...
 
 Prints the task's scores (textclf/task.py) for the model and for a TF-IDF + linear baseline fitted on
@@ -18,7 +19,7 @@ import sys
 from typing import Optional
 
 from . import files
-from .config import DEFAULT_DATA, TrainConfig, require_data
+from .config import DEFAULT_DATA, HELD_OUT, TrainConfig, require_data
 from .errors import InputError, die_with_launcher, run_command, write_failed
 from .tool_options import add_loading_options, add_task_options, require_trained_model
 
@@ -28,7 +29,8 @@ REPORT = "report.json"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m textclf.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a model folder that export wrote, or a step_<N> checkpoint")
-    parser.add_argument("--file", required=True, help="labelled data, in any format --data takes")
+    parser.add_argument("--file", help=f"labelled data, in any format --data takes (default: the examples the "
+                        f"training run evaluated, {HELD_OUT} in the output folder that holds --model)")
     add_task_options(parser)
     parser.add_argument("--label_column", help="the column that holds the true label (default: the training run's)")
     parser.add_argument("--label_separator", help="several labels: what separates the names in a CSV label cell "
@@ -43,8 +45,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_loading_options(parser)
     args = parser.parse_args(argv)
     require_trained_model(args.model)
+    if args.file is None:
+        args.file = held_out_file(args.model)
     require_data(args.file, args.train_data)
     return args
+
+
+def held_out_file(model: str) -> str:
+    """The examples the run that made `model` (its exported model/ or a step_<N>/ checkpoint) evaluated: the
+    file it wrote beside it, in its output folder."""
+    path = os.path.join(os.path.dirname(os.path.normpath(model)), HELD_OUT)
+    if not os.path.isfile(path):
+        raise InputError(f"no --file given, and {path}, the examples the run that made {model} evaluated, is not "
+                         f"there (the model was moved, or made before runs wrote it); pass a labelled --file")
+    return path
 
 
 if __name__ == "__main__":

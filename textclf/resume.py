@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # torch and accelerate are loaded after plan_resume has run
     from accelerate import Accelerator
 
 FRESH = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+SPLIT = ("per_device_train_batch_size", "gradient_accumulation_steps")  # how a launch splits the global batch
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class Resume:
     universal: bool = False
     """ZeRO's states were partitioned over another number of processes: they load through DeepSpeed's universal
     checkpoint, which the Accelerator is told before prepare."""
-    asked_accumulation: Optional[int] = None
-    """The accumulation the run asked for, which its checkpoints record: a launch of another size takes another
-    to keep the global batch, and the same command then resumes them again on any number of processes."""
+    asked_split: dict = dataclasses.field(default_factory=dict)
+    """The micro-batch and accumulation the run asked for, which its checkpoints record: a launch of another size
+    splits the global batch otherwise, and the same command then resumes them again on any number of processes."""
 
 
 def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[TrainConfig, Resume]:
@@ -49,26 +50,31 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Tra
     again over the checkpoint's config (what it does not set comes from the checkpoint); without it, `cfg` (a
     config built in code) is taken as it is and must agree with the checkpoint."""
     path, position, cfg = resolve(cfg, argv)
-    asked = cfg.gradient_accumulation_steps
+    asked = {key: getattr(cfg, key) for key in SPLIT}
     if path is None:
-        return cfg, Resume(asked_accumulation=asked)
+        return cfg, Resume(asked_split=asked)
     launch = this_launch(cfg.mixed_precision)
     world_size = launch["num_processes"]
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     rescaled = checkpoint.check_launch(path, position, {**launch, "distributed_type": "FSDP" if fsdp else None})
     if rescaled:
         say(rescaled)
-    cfg = dataclasses.replace(cfg, gradient_accumulation_steps=checkpoint.accumulation_for(path, position, world_size))
+    cfg = dataclasses.replace(cfg, **checkpoint.batch_split(path, position, world_size))
     return cfg, Resume(
-        checkpoint=path, asked_accumulation=asked,
-        position=checkpoint.on_this_launch(position, world_size, cfg.gradient_accumulation_steps),
+        checkpoint=path, asked_split=asked,
+        position=checkpoint.on_this_launch(position, world_size, cfg.gradient_accumulation_steps,
+                                           cfg.per_device_train_batch_size),
         universal=checkpoint.needs_universal(path, position, world_size, cfg.load_best_model_at_end))
 
 
 def resolve(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Optional[str], dict, TrainConfig]:
     """The checkpoint that --resume names (None: a fresh run), its position as saved, and the config the run
     trains with (plan_resume's `argv`)."""
-    path = checkpoint.find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)
+    # The folder the run goes on in: the one given, or (for a step_<N> path) the checkpoint's own.
+    output_dir = cfg.output_dir
+    if cfg.resume not in (None, "latest", "auto") and output_dir == TrainConfig.output_dir:
+        output_dir = os.path.dirname(os.path.normpath(cfg.resume)) or "."
+    path = checkpoint.find_resume_checkpoint(cfg.resume, output_dir, cfg.overwrite_output_dir)
     if path is None:
         return None, dict(FRESH), cfg
     position = checkpoint.read_verified_position(path)

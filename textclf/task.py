@@ -19,7 +19,7 @@ class Task:
     """What every kind shares: the columns and options, and what does not depend on the kind.
 
     A kind (a subclass, named in KINDS) sets the class attributes below and defines label, label_names,
-    encode_labels, strata, predictions, compute_scores, predicted, shown and baseline (see SingleLabel's);
+    encode_labels, cell, strata, predictions, compute_scores, predicted, shown and baseline (see SingleLabel's);
     it may change check_labels, targets and figures.
     """
 
@@ -187,6 +187,10 @@ class SingleLabel(Task):
         label_id = self.check_known({str(label) for label in labels}, names, path)
         return [label_id[str(label)] for label in labels], ClassLabel(names=names)
 
+    def cell(self, label, names: list[str]):
+        """An encoded label as a file writes it, which encode_labels reads back: here the class's name."""
+        return names[label]
+
     def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
         """(what the held-out split is stratified by, one value per example or None for a random split, how to say
         so). `names`: the labels' names; `held_out`: how many examples it holds out; `refusal` begins the error
@@ -282,6 +286,10 @@ class MultiLabel(Task):
         hot = [[float(name in chosen) for name in names] for chosen in map(set, labels)]
         return hot, List(Value("float32"), length=len(names))
 
+    def cell(self, label, names: list[str]) -> list[str]:
+        """The names of the set."""
+        return [name for name, hot in zip(names, label) if hot]
+
     def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
         """The label sets, where each occurs at least twice and they are fewer than the held-out examples."""
         sets = [" ".join(str(i) for i, hot in enumerate(row) if hot) for row in labels]
@@ -360,6 +368,12 @@ class Regression(Task):
         from datasets import Value
 
         return labels, Value("float32")
+
+    def cell(self, label, names: list[str]) -> float:
+        """The score as the data wrote it: a float32 label written with the fewest digits that read back as it."""
+        import numpy as np
+
+        return float(str(np.float32(label)))
 
     def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
         """Quantile bins of the target: as many as keep at least 2 examples in each."""
