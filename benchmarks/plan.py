@@ -80,20 +80,7 @@ def plan_rows(job: BenchJob, cuda_devices: int) -> list[dict]:
              *(dict(name=f"{name}_bf16", what=f"{BASELINES[name]}, bf16 autocast", baseline=name, **bf16)
                for name in ("plain_pytorch", "hf_trainer"))]
     for path in sorted(ZOO.glob("*.yaml")):
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
-        row = dict(name=path.stem, what=f"accelerate launch {path.name}", config_file=str(path.relative_to(REPO)),
-                   processes=spec.get("num_processes", 1), precision=str(spec.get("mixed_precision", "no")),
-                   **deepspeed_settings(spec))
-        if spec.get("num_machines", 1) > 1:
-            row["skipped"] = f"needs {spec['num_machines']} machines"
-        elif not cuda_devices and path.stem not in CPU_ZOO:
-            row["skipped"] = "needs CUDA"
-        elif row["zero_stage"] is not None and importlib.util.find_spec("deepspeed") is None:
-            row["skipped"] = "needs DeepSpeed: pip install -e '.[deepspeed]'"
-        elif cuda_devices and path.stem == "cpu":
-            row["skipped"] = "CPU-only file: on a CUDA machine its ranks would go to the GPUs"
-        elif cuda_devices and row["processes"] > 1:  # the GPU files name 8; use the GPUs there are
-            row.update(processes=cuda_devices, launch_args=["--num_processes", str(cuda_devices)])
+        row = zoo_row(path, cuda_devices)
         rows.append(row)
         if path.stem == "cpu":
             rows.append({**row, "name": "cpu_bf16", "what": f"accelerate launch {path.name} --mixed_precision bf16",
@@ -109,6 +96,25 @@ def plan_rows(job: BenchJob, cuda_devices: int) -> list[dict]:
         if "skipped" in row:
             row["status"] = "skipped"
     return rows
+
+
+def zoo_row(path, cuda_devices: int) -> dict:
+    """The row of one zoo file: launched with it, or why it cannot run here."""
+    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    row = dict(name=path.stem, what=f"accelerate launch {path.name}", config_file=str(path.relative_to(REPO)),
+               processes=spec.get("num_processes", 1), precision=str(spec.get("mixed_precision", "no")),
+               **deepspeed_settings(spec))
+    if spec.get("num_machines", 1) > 1:
+        row["skipped"] = f"needs {spec['num_machines']} machines"
+    elif not cuda_devices and path.stem not in CPU_ZOO:
+        row["skipped"] = "needs CUDA"
+    elif row["zero_stage"] is not None and importlib.util.find_spec("deepspeed") is None:
+        row["skipped"] = "needs DeepSpeed: pip install -e '.[deepspeed]'"
+    elif cuda_devices and path.stem == "cpu":
+        row["skipped"] = "CPU-only file: on a CUDA machine its ranks would go to the GPUs"
+    elif cuda_devices and row["processes"] > 1:  # the GPU files name 8; use the GPUs there are
+        row.update(processes=cuda_devices, launch_args=["--num_processes", str(cuda_devices)])
+    return row
 
 
 def deepspeed_settings(spec: dict) -> dict:

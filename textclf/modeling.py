@@ -237,25 +237,8 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
     """
     dtype = {} if torch_dtype in (None, "auto") else {"dtype": getattr(torch, torch_dtype)}
     if isinstance(weights, str):
-        try:
-            with nullcontext() if complete else load_report_as_one_line(weights):
-                model, info = MODEL_CLASS.from_pretrained(
-                    weights, config=config, ignore_mismatched_sizes=True, output_loading_info=True,
-                    trust_remote_code=trust_remote_code, **({"dtype": "auto"} if torch_dtype == "auto" else dtype))
-        except SafetensorError as e:
-            raise InputError(f"cannot load a model from {weights}: a weights file is damaged or incomplete "
-                             f"({str(e).splitlines()[0]})" + ("; export it again" if complete else "")) from None
-        except (OSError, ValueError, KeyError) as e:
-            raise load_refused(weights, e, f"cannot load a model from {weights}") from None
-        except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
-            raise InputError(f"cannot load a model from {weights}: its weights are a pickle that holds more than "
-                             "tensors, which could run code when loaded; save the model as safetensors where it came "
-                             "from (save_pretrained does by default)") from None
-        # from_pretrained fills missing weights with random ones and only warns: a trained model is refused.
-        incomplete = info["missing_keys"] or info["mismatched_keys"]
-        if complete and incomplete:
-            raise InputError(f"{weights}: weights missing or of the wrong shape for its config: "
-                             f"{', '.join(sorted(map(str, incomplete))[:3])}")
+        model = from_pretrained(weights, config, complete, {"dtype": "auto"} if torch_dtype == "auto" else dtype,
+                                trust_remote_code)
     elif type(config) in MODEL_CLASS_MAPPING:
         # The class itself, not from_config: under ZeRO-3 from_config builds the weights already partitioned
         # (deepspeed.zero.Init), drawing other random numbers than DDP or one process from the same seed.
@@ -271,13 +254,7 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
     # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
     model._no_split_modules = layer_classes(model)
     if gradient_checkpointing:
-        # Non-reentrant: gradients reach LoRA's adapters through a frozen embedding without
-        # `enable_input_require_grads`. transformers 5 renamed the method (the old name warns).
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        try:
-            enable({"use_reentrant": False})
-        except ValueError as e:
-            raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None
+        enable_gradient_checkpointing(model)
     if isinstance(lora, dict):  # before prepare: DDP and DeepSpeed must see which parameters train
         model = apply_lora(model, **lora)
     if isinstance(weights, dict):
@@ -287,6 +264,42 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
 
         model = PeftModel.from_pretrained(model, lora)
     return model
+
+
+def from_pretrained(weights: str, config: PretrainedConfig, complete: bool, dtype: dict,
+                    trust_remote_code: bool) -> PreTrainedModel:
+    """make_model's `from_pretrained`: a backbone whose new head is said in one line, or with `complete` a model
+    folder that must hold every weight; what it cannot load is one line."""
+    try:
+        with nullcontext() if complete else load_report_as_one_line(weights):
+            model, info = MODEL_CLASS.from_pretrained(weights, config=config, ignore_mismatched_sizes=True,
+                                                      output_loading_info=True, trust_remote_code=trust_remote_code,
+                                                      **dtype)
+    except SafetensorError as e:
+        raise InputError(f"cannot load a model from {weights}: a weights file is damaged or incomplete "
+                         f"({str(e).splitlines()[0]})" + ("; export it again" if complete else "")) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise load_refused(weights, e, f"cannot load a model from {weights}") from None
+    except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
+        raise InputError(f"cannot load a model from {weights}: its weights are a pickle that holds more than "
+                         "tensors, which could run code when loaded; save the model as safetensors where it came "
+                         "from (save_pretrained does by default)") from None
+    # from_pretrained fills missing weights with random ones and only warns: a trained model is refused.
+    incomplete = info["missing_keys"] or info["mismatched_keys"]
+    if complete and incomplete:
+        raise InputError(f"{weights}: weights missing or of the wrong shape for its config: "
+                         f"{', '.join(sorted(map(str, incomplete))[:3])}")
+    return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    # Non-reentrant: gradients reach LoRA's adapters through a frozen embedding without
+    # `enable_input_require_grads`. transformers 5 renamed the method (the old name warns).
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    try:
+        enable({"use_reentrant": False})
+    except ValueError as e:
+        raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None
 
 
 def lora_settings(config) -> Optional[dict]:
