@@ -135,7 +135,7 @@ def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_p
 
 @pytest.mark.parametrize("encoding", ["utf-8", "gb18030"])
 def test_where_decoding_fails_is_found_across_chunks(tmp_path, rows, encoding):
-    from textclf.data import undecodable
+    from textclf.data_errors import undecodable
 
     good = json_lines(rows).encode(encoding)
     at = good.index("，".encode(encoding), 300)  # a character boundary: before a full-width comma

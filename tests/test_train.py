@@ -120,6 +120,7 @@ ONLY_WHEN_NEEDED = {
     "textclf.leftovers": "what an interrupted run left in the output folder",
     "textclf.universal": "DeepSpeed's universal checkpoint (a ZeRO resume on another number of processes)",
     "textclf.deepspeed_ops": "DeepSpeed's C++ ops, compiled at first use",
+    "textclf.data_errors": "why a data file could not be read (encodings, delimiters, JSON)",
 }
 
 
