@@ -53,9 +53,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     if args.config_file is not None and not os.path.isfile(args.config_file):
         raise InputError(f"accelerate config not found: {args.config_file}; check the path, or leave out "
                          "--config_file for accelerate's default config")
-    from .resume import resolve  # a resume's config: the checkpoint's under the command line's, as train.py has it
+    cfg = parse_config(training_args)
+    if cfg.resume:  # the checkpoint's config under the command line's, as train.py resumes it
+        from .resume import resolve
 
-    return args, resolve(parse_config(training_args), training_args)[2]
+        cfg = resolve(cfg, training_args)[2]
+    return args, cfg
 
 
 if __name__ == "__main__":
