@@ -164,14 +164,16 @@ class SingleLabel(Task):
             raise self.mixed(path, "integers", integers, "numbers written as text",
                              [(row, label) for row, label in numbers if isinstance(label, str)])
 
-    def mixed(self, path: str, *kinds) -> InputError:
-        """The refusal of a label column that mixes two kinds of label: (name, [(row, label), ...]) twice."""
-        first, second = (f"{name} (row {cells[0][0]}: {cells[0][1]!r}"
-                         + (f", and {len(cells) - 1} more)" if len(cells) > 1 else ")")
-                         for name, cells in (kinds[:2], kinds[2:]))
-        return InputError(f"{path}: label column '{self.label_column}' mixes {first} and {second}; clean the column so "
-                          "that every label is a name or every label is an integer, or for a number per example use "
-                          "--task regression")
+    def mixed(self, path: str, kind: str, cells: list, other_kind: str, other_cells: list) -> InputError:
+        """The refusal of a label column that mixes two kinds of label, each given as its [(row, label), ...]."""
+
+        def first(kind, cells):
+            (row, label), more = cells[0], len(cells) - 1
+            return f"{kind} (row {row}: {label!r}" + (f", and {more} more)" if more else ")")
+
+        return InputError(f"{path}: label column '{self.label_column}' mixes {first(kind, cells)} and "
+                          f"{first(other_kind, other_cells)}; clean the column so that every label is a name or every "
+                          "label is an integer, or for a number per example use --task regression")
 
     def label_names(self, labels: list, path: str) -> list[str]:
         """The model's outputs in id order (its id2label): here the labels sorted (numerically for integers)."""
@@ -198,9 +200,9 @@ class SingleLabel(Task):
         counts = Counter(labels)
         scarce = [str(names[label] if names else label) for label in sorted(counts) if counts[label] < 2]
         if scarce:
-            raise InputError(f"{refusal} stratified by label: {count_values(scarce, 'class')} with a single example, "
-                             "and a class needs at least 2, one on each side; add examples, or give a held-out file "
-                             "with --eval_data")
+            raise InputError(f"{refusal} stratified by label: {count_values(scarce, 'class', 'classes')} with a single "
+                             "example, and a class needs at least 2, one on each side; add examples, or give a "
+                             "held-out file with --eval_data")
         return labels, "stratified by label"
 
     def predictions(self, logits):
@@ -443,12 +445,10 @@ def count_rows(rows: list[int], shown: int = 5) -> str:
     return f"row {listed} has" if len(rows) == 1 else f"{len(rows)} rows ({listed}) have"
 
 
-def count_values(values: list, noun: str, shown: int = 10) -> str:
+def count_values(values: list, noun: str, plural: Optional[str] = None, shown: int = 10) -> str:
     """"3 classes ('a', 'b', 'c')": how many values, and the first `shown` of them."""
     listed = ", ".join(map(repr, values[:shown])) + (f" and {len(values) - shown} more" if len(values) > shown else "")
-    plural = noun if len(values) == 1 else noun[:-1] + "ies" if noun.endswith("y") else noun + (
-        "es" if noun.endswith("s") else "s")
-    return f"{len(values)} {plural} ({listed})"
+    return f"{len(values)} {noun if len(values) == 1 else plural or noun + 's'} ({listed})"
 
 
 def is_number(label) -> bool:
