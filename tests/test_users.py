@@ -649,11 +649,12 @@ def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when
 def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backbone, tmp_path, capfd, monkeypatch,
                                                                 verbose):
     """train.py and the export command say "exported" in one line; transformers would add a bar for writing the
-    weights and one for reading them back."""
+    weights and one for reading them back. Both export inside the run's scope (textclf/quiet.py)."""
     from transformers.utils import logging as transformers_logging
 
     from textclf.model_folder import save_verified
     from textclf.modeling import make_model, training_config
+    from textclf.quiet import run_scope
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
@@ -661,7 +662,8 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
     model, tokenizer = pretrained_backbone
     built = make_model(training_config(model, tokenizer, {"num_labels": 2}, 32), model)
     capfd.readouterr()
-    save_verified(built.eval(), tokenizer, str(tmp_path / "exported"))
+    with run_scope():
+        save_verified(built.eval(), tokenizer, str(tmp_path / "exported"))
     out, err = capfd.readouterr()
     assert ("Writing model shards" in out + err and "Loading weights" in out + err) == verbose, out + err
     assert (tmp_path / "exported" / "model.safetensors").is_file()
