@@ -121,6 +121,7 @@ ONLY_WHEN_NEEDED = {
     "textclf.universal": "DeepSpeed's universal checkpoint (a ZeRO resume on another number of processes)",
     "textclf.deepspeed_ops": "DeepSpeed's C++ ops, compiled at first use",
     "textclf.data_errors": "why a data file could not be read (encodings, delimiters, JSON)",
+    "textclf.ranks": "what the other ranks of a launch do when one fails",
 }
 
 

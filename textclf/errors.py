@@ -18,7 +18,6 @@ import shutil
 import signal
 import sys
 import time
-import traceback
 
 from safetensors import SafetensorError
 
@@ -43,9 +42,6 @@ OUT_OF_MEMORY_ADVICE = ("the disk is not the cause: free memory (a smaller --per
                         "GPU), then run again")
 # What a rank says when a collective failed because another rank ended (killed, or stopped by its own error).
 PEER_ENDED = "another process of this run ended"
-# How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it once rank 0
-# has reported the same error; a rank that is still running then reports its own.
-QUIET_RANK_WAIT_S = 10
 # The stop signals this process received, by name (train.py asks for a checkpoint on SIGTERM and SIGINT): the
 # launcher's SIGTERM to the other ranks, once one has failed, may come while they wait in a collective.
 stop_signals: list[str] = []
@@ -76,18 +72,13 @@ def exit_now(code: int) -> None:
 
 
 def peer_ended(error: BaseException) -> bool:
-    """Whether `error` is a collective (torch.distributed's, which DeepSpeed's go through) that failed because
-    another process of the run is gone: gloo raises a RuntimeError from inside the collective, NCCL one of
-    torch's DistError. A failed write is an OSError, or a RuntimeError raised by torch.save, not in c10d."""
+    """Whether `error` is a collective that failed because another process of the run is gone (textclf/ranks.py
+    tells, under a launch of several processes)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(error, RuntimeError):
         return False
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and isinstance(error, getattr(distributed, "DistError", ())):
-        return True
-    in_collective = any(frame.f_code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py"))
-                        for frame, _ in traceback.walk_tb(error.__traceback__))
-    # DDP's gradient all-reduce runs in the autograd engine, with no Python frame of c10d: gloo's words then.
-    return in_collective or bool(re.search(r"Connection (closed|reset) by peer|gloo/transport", str(error)))
+    from .ranks import collective_failed_for_a_peer
+
+    return collective_failed_for_a_peer(error)
 
 
 def gist(error: BaseException) -> str:
@@ -105,11 +96,9 @@ def report(error: InputError) -> None:
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
     if int(os.environ.get("RANK", "0")) > 0:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # stopped by the launcher: end quietly, no traceback
-            signal.signal(sig, signal.SIG_DFL)
-        if stop_signals:  # the launcher's SIGTERM came first, to train.py's handler: it ends this rank now
-            os.kill(os.getpid(), signal.Signals[stop_signals[0]])
-        time.sleep(QUIET_RANK_WAIT_S)
+        from .ranks import wait_to_be_stopped
+
+        wait_to_be_stopped()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each rank it starts
     if error_file:
         # torch's error-file format for a message without a traceback (its ErrorHandler always adds one).
