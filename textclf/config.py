@@ -408,7 +408,12 @@ def to_bool(text: str) -> bool:
 
 def to_bool_or_auto(text: str) -> Optional[bool]:
     """A tri-state flag's value: true, false, or 'auto' (None: decided by the hardware at hand)."""
-    return None if text.lower() == "auto" else to_bool(text)
+    if text.lower() == "auto":
+        return None
+    try:
+        return to_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got '{text}'") from None
 
 
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:
