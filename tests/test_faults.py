@@ -234,7 +234,7 @@ def test_a_torn_log_line_and_a_killed_save_and_rotation_are_cleared_at_resume(tm
     result = run_train([*args, "--max_steps", 4, "--save_steps", 2, "--output_dir", out, "--resume", "latest"])
     assert f"warning: {out / 'log.jsonl'}: dropped its last line, cut short" in result.stderr
     assert f"removed what an interrupted run left in {out}: .deleting_step_1, .incomplete_step_4" in result.stdout
-    assert sorted(os.listdir(out)) == [".lock", "log.jsonl", "model", "run.json", "step_2", "step_4"]
+    assert sorted(os.listdir(out)) == [".lock", "eval.jsonl", "log.jsonl", "model", "run.json", "step_2", "step_4"]
     assert [row["step"] for row in read_log(out) if "loss" in row] == [1, 2, 3, 4]
     assert losses(out) == losses(four_step_run)
 
@@ -408,7 +408,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resum
                                + ("File too large" if limit else "No space left on device"))  # not torch's words
         assert f"free space (or choose another --output_dir), then continue with --resume latest (the newest " \
                f"complete checkpoint, {out / 'step_2'}, is untouched)" in result.stderr
-        assert sorted(p.name for p in out.iterdir()) == [".lock", "log.jsonl", "run.json", "step_2"]
+        assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.jsonl", "log.jsonl", "run.json", "step_2"]
         shutil.copytree(out / "step_2", tmp_path / "step_2")
     resumed = tmp_path / "resumed"
     run_train([*run, "--output_dir", resumed, "--resume", tmp_path / "step_2"])
@@ -440,7 +440,7 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
                                             "--resume", "latest"]), limit)
         assert_refused(result, f"cannot export the model to {out / 'model'}")
         assert "--resume latest" in error_lines(result.stderr)[0]
-        assert sorted(p.name for p in out.iterdir()) == [".lock", "log.jsonl", "run.json", "step_2"]
+        assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.jsonl", "log.jsonl", "run.json", "step_2"]
         from textclf.checkpoint import read_position
         from textclf.integrity import verify_files
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
