@@ -16,13 +16,14 @@ if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends (textclf/errors.py)
 
 from textclf.config import HELD_OUT, TrainConfig, parse_config
-from textclf.launch import check_launch_early, launch_shortfall
+from textclf.launch import check_command_line, check_launch_early, launch_shortfall
 from textclf.resume import Resume, plan_resume
 
 if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the heavy imports below;
-    # so do a launch that contradicts itself and a resume that it cannot continue.
+    # so do a missing data file, a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
+    run_command(lambda: check_command_line(cfg))
     cfg, resume = run_command(lambda: plan_resume(cfg, sys.argv[1:]))
     run_command(lambda: check_launch_early(cfg))
 

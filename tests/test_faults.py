@@ -254,7 +254,8 @@ def test_keep_log_until_drops_a_torn_last_line_but_refuses_damage_elsewhere(tmp_
 
 
 def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_start_clears_it(tmp_path):
-    from textclf.checkpoint import complete_checkpoints, remove_leftovers
+    from textclf.checkpoint import complete_checkpoints
+    from textclf.leftovers import remove_leftovers
 
     for step in (1, 2, 3):  # checkpoints of many small files, so that deleting one takes a while
         folder = tmp_path / f"step_{step}"
@@ -291,8 +292,9 @@ def test_a_deletion_or_lock_that_fails_is_one_line_and_leaves_the_checkpoint_who
     """Rotation, a leftover's removal and the output folder's lock fail as one line, not a traceback."""
     import errno
 
-    from textclf.checkpoint import complete_checkpoints, remove_leftovers, rotate, take_lock
+    from textclf.checkpoint import complete_checkpoints, rotate, take_lock
     from textclf.errors import InputError
+    from textclf.leftovers import remove_leftovers
 
     for step in (1, 2):
         (tmp_path / f"step_{step}").mkdir()

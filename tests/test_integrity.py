@@ -134,11 +134,11 @@ def test_a_new_checkpoint_whose_record_lost_a_sha256_is_refused(step_2):
 # --- What the run says when a checkpoint's position.json is gone, or a write fails before any checkpoint ---
 
 def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path, four_step_run, capsys):
-    from textclf.checkpoint import choose_checkpoint
+    from textclf.checkpoint import choose_checkpoint, find_resume_checkpoint
 
     out = shutil.copytree(four_step_run, tmp_path / "run")
     (out / "step_4" / POSITION).unlink()
-    assert choose_checkpoint("latest", str(out), False) == str(out / "step_2")
+    assert find_resume_checkpoint("latest", str(out), False) == str(out / "step_2")
     assert f"warning: {out / 'step_4' / POSITION} is missing (a save always writes it, so it was deleted or lost): " \
            f"step_4 is not a complete checkpoint, and --resume latest takes {out / 'step_2'}" in capsys.readouterr().err
     (out / "step_2" / POSITION).unlink()

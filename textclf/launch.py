@@ -32,14 +32,18 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
             "mixed_precision": precision}
 
 
-def check_launch_early(cfg) -> None:
-    """Before the heavy imports and any data: refuse a data file that is not there, and a launch that contradicts
-    itself (a --mixed_precision other than the launch's, a DeepSpeed JSON unreadable or hard-coding what the
-    training config owns; `cfg` is the one resume.plan_resume gave, with a resumed run's batch split). Last,
-    with torch and accelerate loaded (a second) but not yet transformers or the data, what this machine lacks: a
-    CUDA GPU for fp16, a tracker asked for."""
-
+def check_command_line(cfg) -> None:
+    """Right after the command line is parsed, before anything else is read: a data file that is not there, and a
+    launch that contradicts itself (a --mixed_precision other than the launch's, a DeepSpeed JSON unreadable)."""
     require_data(cfg.data, cfg.eval_data)
+    this_launch(cfg.mixed_precision)
+
+
+def check_launch_early(cfg) -> None:
+    """Before the heavy imports and any data, once resume.plan_resume has given `cfg` (a resumed run's batch split
+    included): a DeepSpeed JSON hard-coding what the training config owns. Then, with torch and accelerate loaded
+    (a second) but not yet transformers or the data, what this machine lacks: a CUDA GPU for fp16 or FSDP, a
+    tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if launch["zero_stage"] is not None and ds_file != "none":
