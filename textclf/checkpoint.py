@@ -80,18 +80,8 @@ def identity(cfg, run: dict, data_fingerprint: str) -> dict:
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
     """Write through a temporary file and a rename, so readers never see half a file (and never through a
     symbolic link: textclf/files.py)."""
-    tmp = f"{path}.tmp"
-    try:
-        with files.open_new(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        failure = write_failed("write", path, e, advice)
-        with contextlib.suppress(OSError):
-            files.remove(tmp)
-        raise failure from None
+    with files.replacing(path, encoding="utf-8", advice=advice) as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
 def read_position(checkpoint: str) -> dict:

@@ -30,8 +30,9 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
+from . import files
 from .config import DATA_FORMATS, DEFAULT_DATA, require_data
-from .errors import InputError, say, write_failed
+from .errors import InputError, say
 from .task import Task
 
 # Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes:
@@ -311,20 +312,12 @@ def write_examples(table: Dataset, task: Task, names: list[str], path: str) -> N
     report read back as the same examples. Written through a new temporary file and a rename: never through a
     link that stands at either name."""
     columns = task.text_columns
-    tmp = f"{path}.tmp"
-    try:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)  # left by a run killed while writing; a link is removed, not followed
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as f:
-            for batch in table.select_columns([*columns, "labels"]).iter(batch_size=1000):
-                for i, label in enumerate(batch["labels"]):
-                    row = {column: batch[name][i] for name, column in columns.items()}
-                    f.write(json.dumps({**row, task.label_column: task.cell(label, names)}, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_failed("write", path, e, "free space or make the folder writable, then run again") from None
+    advice = "free space or make the folder writable, then run again"
+    with files.replacing(path, encoding="utf-8", advice=advice) as f:
+        for batch in table.select_columns([*columns, "labels"]).iter(batch_size=1000):
+            for i, label in enumerate(batch["labels"]):
+                row = {column: batch[name][i] for name, column in columns.items()}
+                f.write(json.dumps({**row, task.label_column: task.cell(label, names)}, ensure_ascii=False) + "\n")
 
 
 def fingerprint(table: Dataset) -> str:

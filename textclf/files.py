@@ -34,6 +34,27 @@ def open_new(path: str, mode: str = "w", **kwargs):
     return open(path, mode, opener=opener(os.O_WRONLY | os.O_CREAT | os.O_EXCL), **kwargs)
 
 
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "w", *, advice: str, what: str = "write", suffix: str = ".tmp", **kwargs):
+    """A new file (open_new) that replaces `path` in one rename when the block ends, so that readers never see
+    half a file. A write that fails is one line (errors.write_failed: `what`, `path`, then `advice`), and the
+    temporary file is removed."""
+    from .errors import write_failed
+
+    tmp = f"{path}{suffix}"
+    try:
+        with open_new(tmp, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        failure = write_failed(what, path, e, advice)
+        with contextlib.suppress(OSError):
+            remove(tmp)
+        raise failure from None
+
+
 def open_append(path: str, mode: str = "a", **kwargs):
     """`path` open for appending (created if absent); a link at `path` fails the open (ELOOP)."""
     return open(path, mode, opener=opener(os.O_WRONLY | os.O_APPEND | os.O_CREAT), **kwargs)

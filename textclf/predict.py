@@ -13,16 +13,14 @@ its index.
 """
 
 import argparse
-import contextlib
 import csv
 import dataclasses
 import json
-import os
 from typing import Optional
 
 from . import files
 from .config import TrainConfig, require_data
-from .errors import InputError, die_with_launcher, run_command, write_failed
+from .errors import InputError, die_with_launcher, run_command
 from .tool_options import add_loading_options, add_task_options, require_trained_model
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
@@ -101,22 +99,15 @@ def write_rows(rows: list[dict], path: str) -> None:
     """CSV or JSON Lines by the file's suffix, through a temporary file and a rename (never through a symbolic
     link: textclf/files.py). In CSV a list (the predicted label names) is written as a JSON list, which training
     and report read back as one."""
-    tmp = f"{path}.incomplete"
-    try:
-        with files.open_new(tmp, "w", encoding="utf-8", newline="") as f:
-            if path.endswith(".csv"):
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows({key: json.dumps(value, ensure_ascii=False) if isinstance(value, list) else value
-                                  for key, value in row.items()} for row in rows)
-            else:
-                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        os.replace(tmp, path)
-    except OSError as e:
-        failure = write_failed("write", path, e, "free space (or choose another --output), then predict again")
-        with contextlib.suppress(OSError):
-            files.remove(tmp)
-        raise failure from None
+    with files.replacing(path, suffix=".incomplete", encoding="utf-8", newline="",
+                         advice="free space (or choose another --output), then predict again") as f:
+        if path.endswith(".csv"):
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows({key: json.dumps(value, ensure_ascii=False) if isinstance(value, list) else value
+                              for key, value in row.items()} for row in rows)
+        else:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 @scoped

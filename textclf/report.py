@@ -13,7 +13,6 @@ that trained the model (its training.json, or a checkpoint's position.json) unle
 """
 
 import argparse
-import contextlib
 import os
 import sys
 from typing import Optional
@@ -135,16 +134,10 @@ def save_figure(figure, path: str) -> None:
     """Write the picture through a temporary file and a rename (never through a symbolic link:
     textclf/files.py), then let the figure go."""
     figure.tight_layout()
-    tmp = f"{path}.incomplete.png"
     try:
-        with files.open_new(tmp, "wb") as f:
+        with files.replacing(path, "wb", suffix=".incomplete.png",
+                             advice="free space (or choose another --output_dir), then run again") as f:
             figure.savefig(f, format="png", dpi=120)
-        os.replace(tmp, path)
-    except OSError as e:
-        failure = write_failed("write", path, e, "free space (or choose another --output_dir), then run again")
-        with contextlib.suppress(OSError):
-            files.remove(tmp)
-        raise failure from None
     finally:
         pyplot().close(figure)
 

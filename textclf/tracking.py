@@ -1,7 +1,6 @@
 """Where a run reports, all through `accelerator`'s trackers: log.jsonl (the output contract) and the others, under
 the Trainer's names."""
 
-import contextlib
 import importlib
 import json
 import os
@@ -172,15 +171,8 @@ def keep_log_until(output_dir: str, step: int) -> None:
             continue
         if logged_at <= step:
             kept.append(line + b"\n")
-    try:
-        with files.open_new(f"{path}.tmp", "wb") as f:
-            f.writelines(kept)
-        os.replace(f"{path}.tmp", path)
-    except OSError as e:
-        failure = write_failed("rewrite", path, e, "free space or make it writable, then resume again")
-        with contextlib.suppress(OSError):
-            files.remove(f"{path}.tmp")
-        raise failure from None
+    with files.replacing(path, "wb", what="rewrite", advice="free space or make it writable, then resume again") as f:
+        f.writelines(kept)
 
 
 class Window:
