@@ -43,7 +43,8 @@ def test_the_speed_flags_are_the_trainers_and_take_true_false_or_auto():
 def test_auto_compiles_and_uses_tf32_on_a_gpu_and_leaves_a_cpu_eager():
     assert speed(cuda=False) == {"tf32": False, "use_liger_kernel": False, "torch_compile": None}
     on_gpu = speed(cuda=True)
-    assert on_gpu["tf32"] and on_gpu["torch_compile"] == {"backend": "inductor", "dynamic": False}
+    assert on_gpu["tf32"] and on_gpu["torch_compile"] == {"backend": "inductor", "dynamic": False,
+                                                          "options": {"deterministic": True}}
     assert speed(cuda=True, distributed_type=DistributedType.MULTI_GPU)["torch_compile"]
     for sharded in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # asked for, not by default
         assert speed(cuda=True, distributed_type=sharded)["torch_compile"] is None
@@ -141,7 +142,8 @@ def test_a_compiled_run_on_a_cpu_resumes_bitwise_and_exports_the_eager_keys(tmp_
     full = run_train([*run, "--output_dir", tmp_path / "full"])
     assert full.stdout.count("torch.compile: the model's blocks compiled in") == 1, full.stdout[-2000:]
     ran = json.loads((tmp_path / "full" / "run.json").read_text(encoding="utf-8"))["speed"]
-    assert ran["torch_compile"] == {"backend": "inductor", "dynamic": False} and ran["padding_multiple"] == 8
+    assert ran["torch_compile"] == {"backend": "inductor", "dynamic": False, "options": {"deterministic": True}}
+    assert ran["padding_multiple"] == 8
     run_train(["--resume", tmp_path / "full" / "step_2", "--output_dir", tmp_path / "resumed"])
     expected, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert [got[step] for step in (3, 4)] == [expected[step] for step in (3, 4)]
