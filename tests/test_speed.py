@@ -58,7 +58,10 @@ def test_auto_compiles_and_uses_tf32_on_a_gpu_and_leaves_a_cpu_eager():
 def test_a_launchs_dynamo_settings_are_taken_and_a_flag_against_them_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune")
     compiled = speed(cuda=False, backend="inductor")["torch_compile"]
-    assert compiled["backend"] == "inductor" and compiled["mode"] == "max-autotune"
+    # max-autotune as its options, beside inductor's deterministic mode: torch.compile takes one or the other.
+    assert compiled["backend"] == "inductor" and "mode" not in compiled
+    assert compiled["options"]["max_autotune"] and compiled["options"]["deterministic"]
+    torch.compile(torch.nn.Linear(2, 2), **compiled)  # accepted as given (compiling happens at the first call)
     with pytest.raises(InputError, match="--torch_compile false, but the launch asks for dynamo_backend inductor"):
         speed(cuda=False, backend="inductor", torch_compile=False)
 

@@ -120,8 +120,13 @@ def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedTyp
                                    if value is not None and key != "disable"})
         if compile_kwargs["backend"] == "inductor":
             # No kernel chosen by timing it where the choice changes the numerics: a resumed run compiles its
-            # kernels again and must pick the ones the run it continues picked.
-            compile_kwargs["options"] = {"deterministic": True, **compile_kwargs.get("options", {})}
+            # kernels again and must pick the ones the run it continues picked. torch.compile takes a mode or
+            # options, not both: a mode becomes its options (the way torch.compile's documentation lists them).
+            from torch._inductor import list_mode_options
+
+            mode = compile_kwargs.pop("mode", None) or "default"
+            compile_kwargs["options"] = {**list_mode_options(mode), "deterministic": True,
+                                         **compile_kwargs.get("options", {})}
     covered = liger_covers(model_type)
     liger = cfg.use_liger_kernel
     if liger is None:
