@@ -162,3 +162,36 @@ def test_a_compiled_run_on_a_cpu_resumes_bitwise_and_exports_the_eager_keys(tmp_
                                 "--file", reviews_csv, "--output", tmp_path / "predictions.csv"], cwd=REPO,
                                capture_output=True, text=True)
     assert predicted.returncode == 0, predicted.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_adam_resumed_with_its_steps_replayed_steps_as_if_never_stopped():
+    """The offload files' optimizer on its own (its C++ op compiled at first use): a copy loaded from a state dict
+    after 20 steps matches the uninterrupted one bit for bit once its steps are replayed, and not without."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from textclf.runtime import replay_cpu_adam_steps
+
+    gradients = [torch.randn(64, generator=torch.Generator().manual_seed(step)) for step in range(30)]
+
+    def train(optimizer, weight, steps):
+        for gradient in steps:
+            weight.grad = gradient.clone()
+            optimizer.step()
+
+    def resumed(replay: bool):
+        weight = torch.nn.Parameter(torch.zeros(64))
+        first = DeepSpeedCPUAdam([weight], lr=1e-3)
+        train(first, weight, gradients[:20])
+        again = torch.nn.Parameter(weight.detach().clone())
+        second = DeepSpeedCPUAdam([again], lr=1e-3)  # a new process's optimizer: its C++ side starts at step 0
+        second.load_state_dict(first.state_dict())
+        if replay:
+            replay_cpu_adam_steps(second)
+        train(second, again, gradients[20:])
+        return again.detach()
+
+    weight = torch.nn.Parameter(torch.zeros(64))
+    train(DeepSpeedCPUAdam([weight], lr=1e-3), weight, gradients)
+    assert torch.equal(resumed(replay=True), weight.detach())
+    assert not torch.equal(resumed(replay=False), weight.detach())  # pow(beta, t) against the running product
