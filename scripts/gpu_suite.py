@@ -249,7 +249,8 @@ def write_report(path: Path, args, facts: dict, steps: dict, outcomes: list[dict
     counts = {}
     for row in outcomes:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
-    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no test outcome"
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or (
+        "no test outcome" if steps.get("tests") else "not run (--no_tests)")
     lines = [f"# GPU suite: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}", "",
              f"`python3 scripts/gpu_suite.py {' '.join(sys.argv[1:])}`".replace("``", "`(no arguments)`"),
              f"in {clock.elapsed():.0f} s of a {args.budget:g}-second budget. **Tests: {summary}.**", "",

@@ -43,7 +43,8 @@ def test_the_speed_flags_are_the_trainers_and_take_true_false_or_auto():
 def test_auto_compiles_and_uses_tf32_on_a_gpu_and_leaves_a_cpu_eager():
     assert speed(cuda=False) == {"tf32": False, "use_liger_kernel": False, "torch_compile": None}
     on_gpu = speed(cuda=True)
-    assert on_gpu["tf32"] and on_gpu["torch_compile"] == {"backend": "inductor", "dynamic": False}
+    assert on_gpu["tf32"] and on_gpu["torch_compile"] == {"backend": "inductor", "dynamic": False,
+                                                          "options": {"deterministic": True}}
     assert speed(cuda=True, distributed_type=DistributedType.MULTI_GPU)["torch_compile"]
     for sharded in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # asked for, not by default
         assert speed(cuda=True, distributed_type=sharded)["torch_compile"] is None
@@ -57,7 +58,10 @@ def test_auto_compiles_and_uses_tf32_on_a_gpu_and_leaves_a_cpu_eager():
 def test_a_launchs_dynamo_settings_are_taken_and_a_flag_against_them_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune")
     compiled = speed(cuda=False, backend="inductor")["torch_compile"]
-    assert compiled["backend"] == "inductor" and compiled["mode"] == "max-autotune"
+    # max-autotune as its options, beside inductor's deterministic mode: torch.compile takes one or the other.
+    assert compiled["backend"] == "inductor" and "mode" not in compiled
+    assert compiled["options"]["max_autotune"] and compiled["options"]["deterministic"]
+    torch.compile(torch.nn.Linear(2, 2), **compiled)  # accepted as given (compiling happens at the first call)
     with pytest.raises(InputError, match="--torch_compile false, but the launch asks for dynamo_backend inductor"):
         speed(cuda=False, backend="inductor", torch_compile=False)
 
@@ -141,7 +145,8 @@ def test_a_compiled_run_on_a_cpu_resumes_bitwise_and_exports_the_eager_keys(tmp_
     full = run_train([*run, "--output_dir", tmp_path / "full"])
     assert full.stdout.count("torch.compile: the model's blocks compiled in") == 1, full.stdout[-2000:]
     ran = json.loads((tmp_path / "full" / "run.json").read_text(encoding="utf-8"))["speed"]
-    assert ran["torch_compile"] == {"backend": "inductor", "dynamic": False} and ran["padding_multiple"] == 8
+    assert ran["torch_compile"] == {"backend": "inductor", "dynamic": False, "options": {"deterministic": True}}
+    assert ran["padding_multiple"] == 8
     run_train(["--resume", tmp_path / "full" / "step_2", "--output_dir", tmp_path / "resumed"])
     expected, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert [got[step] for step in (3, 4)] == [expected[step] for step in (3, 4)]
@@ -157,3 +162,36 @@ def test_a_compiled_run_on_a_cpu_resumes_bitwise_and_exports_the_eager_keys(tmp_
                                 "--file", reviews_csv, "--output", tmp_path / "predictions.csv"], cwd=REPO,
                                capture_output=True, text=True)
     assert predicted.returncode == 0, predicted.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_adam_resumed_with_its_steps_replayed_steps_as_if_never_stopped():
+    """The offload files' optimizer on its own (its C++ op compiled at first use): a copy loaded from a state dict
+    after 20 steps matches the uninterrupted one bit for bit once its steps are replayed, and not without."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from textclf.runtime import replay_cpu_adam_steps
+
+    gradients = [torch.randn(64, generator=torch.Generator().manual_seed(step)) for step in range(30)]
+
+    def train(optimizer, weight, steps):
+        for gradient in steps:
+            weight.grad = gradient.clone()
+            optimizer.step()
+
+    def resumed(replay: bool):
+        weight = torch.nn.Parameter(torch.zeros(64))
+        first = DeepSpeedCPUAdam([weight], lr=1e-3)
+        train(first, weight, gradients[:20])
+        again = torch.nn.Parameter(weight.detach().clone())
+        second = DeepSpeedCPUAdam([again], lr=1e-3)  # a new process's optimizer: its C++ side starts at step 0
+        second.load_state_dict(first.state_dict())
+        if replay:
+            replay_cpu_adam_steps(second)
+        train(second, again, gradients[20:])
+        return again.detach()
+
+    weight = torch.nn.Parameter(torch.zeros(64))
+    train(DeepSpeedCPUAdam([weight], lr=1e-3), weight, gradients)
+    assert torch.equal(resumed(replay=True), weight.detach())
+    assert not torch.equal(resumed(replay=False), weight.detach())  # pow(beta, t) against the running product

@@ -624,7 +624,7 @@ def replay_cpu_adam_steps(optimizer) -> None:
         optimizer = optimizer.optimizer  # accelerate's wrapper, then ZeRO's optimizer
     if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.state:
         return
-    steps = max(int(state["step"]) for state in optimizer.state.values() if "step" in state)
+    steps = max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
     group = optimizer.param_groups[0]
     scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient and Adam's two moments
     for step in range(1, steps + 1):

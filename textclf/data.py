@@ -463,7 +463,8 @@ class Collator(DataCollatorWithPadding):
 
     def __call__(self, features):
         batch = super().__call__(features)
-        if batch["attention_mask"].all():  # a CPU tensor: no device to wait for
+        lengths = {len(feature["input_ids"]) for feature in features}
+        if len(lengths) == 1 and lengths.pop() == batch["input_ids"].shape[1]:  # no row was padded
             del batch["attention_mask"]
         return batch
 

@@ -117,6 +117,15 @@ def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedTyp
         if launched:
             compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
                                    if value is not None and key != "disable"})
+        if compile_kwargs["backend"] == "inductor":
+            # No kernel chosen by timing it where the choice changes the numerics: a resumed run compiles its
+            # kernels again and must pick the ones the run it continues picked. torch.compile takes a mode or
+            # options, not both: a mode becomes its options (the way torch.compile's documentation lists them).
+            from torch._inductor import list_mode_options
+
+            mode = compile_kwargs.pop("mode", None) or "default"
+            compile_kwargs["options"] = {**list_mode_options(mode), "deterministic": True,
+                                         **compile_kwargs.get("options", {})}
     covered = liger_covers(model_type)
     liger = cfg.use_liger_kernel
     if liger is None:
@@ -176,7 +185,9 @@ class CompileClock:
             handler.register_start_callback(cls.on_start)
             handler.register_end_callback(cls.on_end)
         if cls.said is None:
-            cls.said = torch.optim.optimizer.register_optimizer_step_post_hook(cls.say)
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            cls.said = register_optimizer_step_post_hook(cls.say)
 
     @classmethod
     def on_start(cls, args) -> None:
