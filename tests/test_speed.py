@@ -36,7 +36,7 @@ def test_the_speed_flags_are_the_trainers_and_take_true_false_or_auto():
     assert parse_config(["--torch_compile", "false", "--use_liger_kernel", "no", "--tf32", "auto"]).tf32 is None
     cfg = parse_config([])
     assert (cfg.torch_compile, cfg.use_liger_kernel, cfg.tf32) == (None, None, None)  # auto
-    with pytest.raises(InputError, match="argument --torch_compile: expected true or false, got 'sometimes'"):
+    with pytest.raises(InputError, match="argument --torch_compile: expected true, false or auto, got 'sometimes'"):
         parse_config(["--torch_compile", "sometimes"])
 
 

@@ -796,6 +796,25 @@ def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch)
     assert library_state() == before and shown("torch.distributed.c10d_logger")
 
 
+def test_a_library_setting_a_run_changes_is_put_back_when_its_scope_ends():
+    """speed_up's TF32 and dynamo's recompile limit (quiet.set_for_the_run): the run's value inside, the process's
+    after, nested scopes each putting back their own."""
+    import torch
+
+    from textclf.quiet import run_scope, set_for_the_run
+
+    limit, precision = torch._dynamo.config.recompile_limit, torch.backends.cuda.matmul.fp32_precision
+    with pytest.raises(KeyError), run_scope():
+        set_for_the_run(torch._dynamo.config, "recompile_limit", limit + 56)
+        set_for_the_run(torch.backends.cuda.matmul, "fp32_precision", "tf32")
+        with run_scope():
+            set_for_the_run(torch._dynamo.config, "recompile_limit", limit + 100)
+        assert torch._dynamo.config.recompile_limit == limit + 56
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        raise KeyError("the run failed")
+    assert (torch._dynamo.config.recompile_limit, torch.backends.cuda.matmul.fp32_precision) == (limit, precision)
+
+
 @pytest.mark.slow
 def test_main_twice_in_one_process_starts_and_ends_with_the_same_library_state(tmp_path, reviews_csv, cache_dir):
     """A notebook that calls train.main twice: each run starts from the state the process had, and leaves it so."""

@@ -25,12 +25,23 @@ WARNINGS = (
     (r"fan_in_fan_out is set to False but the target module is `Conv1D`", r"peft\.tuners\.lora"),  # GPT-2's layers
 )
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_open_scopes: list[ExitStack] = []  # the run scopes entered and not yet ended, innermost last
+
+
+def set_for_the_run(owner, name: str, value) -> None:
+    """`owner.name = value` until the innermost run scope ends, when the value it had is put back (outside a
+    scope, for good): a library setting that a run changes (TF32, dynamo's recompile limit)."""
+    if _open_scopes:
+        _open_scopes[-1].callback(setattr, owner, name, getattr(owner, name))
+    setattr(owner, name, value)
 
 
 @contextmanager
 def run_scope():
     """The scope of one run (or one command): see the module's docstring."""
     with ExitStack() as restore:
+        _open_scopes.append(restore)
+        restore.callback(_open_scopes.remove, restore)
         if threading.current_thread() is threading.main_thread():  # only there can handlers be set
             for stop_signal in STOP_SIGNALS:
                 restore.callback(signal.signal, stop_signal, signal.getsignal(stop_signal))

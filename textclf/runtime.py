@@ -20,6 +20,7 @@ from . import tracking
 from .config import TrainConfig
 from .errors import InputError, exit_now, verbose
 from .launch import read_deepspeed_file, zero_offload
+from .quiet import set_for_the_run
 
 
 def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelerator:
@@ -87,7 +88,8 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
                              accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
     settings["padding_multiple"] = padding_multiple(cfg, accelerator)
     if settings["tf32"]:
-        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+        set_for_the_run(torch.backends.cuda.matmul, "fp32_precision", "tf32")
+        set_for_the_run(torch.backends.cudnn.conv, "fp32_precision", "tf32")
     if settings["use_liger_kernel"]:
         from transformers.integrations.liger import apply_liger_kernel  # the Trainer's --use_liger_kernel
 
@@ -97,7 +99,7 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
         # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
         # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        set_for_the_run(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
         compile_blocks(model, **settings["torch_compile"])
         # Compiled here, once: prepare() must not compile the whole model again.
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
