@@ -129,7 +129,7 @@ def test_the_report_scores_the_examples_the_run_evaluated_by_default_numbers_as_
                                                for row in read_csv(reviews_csv)[:4]])
     refused = run_module("textclf.report", ["--model", out / "model", "--file", named, "--output_dir", tmp_path / "r"],
                          check=False)
-    assert refused.returncode == 2 and "not seen in the training data (known: 0, 1)" in refused.stderr
+    assert refused.returncode == 2 and "not seen in the training data (known: 2 labels ('0', '1'))" in refused.stderr
     moved = tmp_path / "moved"
     (out / "model").rename(moved)
     refused = run_module("textclf.report", ["--model", moved, "--output_dir", tmp_path / "r"], check=False)

@@ -135,14 +135,14 @@ def test_predict_output_and_the_report_s_files_replace_links(tmp_path, victim):
 def test_a_run_into_a_folder_with_links_planted_at_its_outputs_writes_none_of_their_targets(
         tmp_path, victim, reviews_csv, cache_dir):
     out = tmp_path / "out"
-    for name in ("run.json", "run.json.tmp", "log.jsonl.tmp"):
+    for name in ("run.json", "run.json.tmp", "log.jsonl.tmp", "eval.jsonl", "eval.jsonl.tmp"):
         plant(out / name, victim / "file")
     for name in ("step_2", ".incomplete_step_2", "model", ".model.incomplete"):
         plant(out / name, victim / "folder")
     run_train([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 2, "--save_steps", 2,
                "--output_dir", out, "--overwrite_output_dir"])
     assert untouched(victim)
-    assert sorted(os.listdir(out)) == [".lock", "log.jsonl", "model", "run.json", "step_2"]
+    assert sorted(os.listdir(out)) == [".lock", "eval.jsonl", "log.jsonl", "model", "run.json", "step_2"]
     assert not any((out / name).is_symlink() for name in os.listdir(out))
 
 
