@@ -248,6 +248,7 @@ def test_train_py_says_bad_input_in_one_error_line_with_exit_code_2(case, tmp_pa
     assert not out.exists()
 
 
+@pytest.mark.slow  # the refusal's rule is in the fast tier (test_speed.py); this is the command's side of it
 def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_before_anything_is_written(tmp_path,
                                                                                                         cache_dir):
     """A launch's dynamo settings are taken (runtime.speed_up compiles the blocks with them); a flag that says
