@@ -32,6 +32,8 @@ from pathlib import Path
 
 import psutil
 
+from textclf.config import DEFAULT_DATA
+
 from .measure import exit_if_stopped, stop_on_signals, stop_tree
 from .plan import OFFLINE, REPO, free_port
 
@@ -48,14 +50,14 @@ TRAINING = ["--max_length", "64", "--per_device_train_batch_size", "2", "--per_d
 STOP_BELOW = 2 ** 29  # bytes of available memory
 
 
-def build(output_dir: Path, layers: int) -> tuple[Path, Path]:
-    """The data (240 reviews, 120 per label, cut to 60 characters) and the model folder."""
-    from textclf.data import DEFAULT_DATA, load_table
+def build(output_dir: Path, layers: int, reviews: str) -> tuple[Path, Path]:
+    """The data (240 of `reviews`, 120 per label, cut to 60 characters) and the model folder."""
+    from textclf.data import load_table
 
     data = output_dir / "reviews.csv"
     model = output_dir / f"qwen2-{layers}-layers"
     if not data.exists():
-        rows = load_table(DEFAULT_DATA).to_list()  # builds the default corpus at first use
+        rows = load_table(reviews).to_list()  # the default corpus is built at first use
         random.Random(0).shuffle(rows)
         picked = [r for label in ("negative", "positive") for r in [r for r in rows if r["label"] == label][:120]]
         with open(data, "w", encoding="utf-8", newline="") as f:
@@ -150,12 +152,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24,
                         help="decoder layers: 24 is Qwen2.5-0.5B (494M parameters); 8 gives 255M, for a machine of "
                         "24 GB that other work shares (DDP of the 0.5B peaks at about 2 x 11.3 GB with its export)")
+    parser.add_argument("--data", default=DEFAULT_DATA, help="reviews to take the texts from (label, review columns)")
     parser.add_argument("launches", nargs="*", default=LAUNCHES, help="zoo files to launch (default: all four)")
     args = parser.parse_args()
     args.output_dir = args.output_dir.resolve()
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    reviews = str(Path(args.data).resolve()) if args.data != DEFAULT_DATA else args.data
     os.chdir(REPO)  # where the launches run, and where the default corpus is built
-    data, model = build(args.output_dir, args.layers)
+    data, model = build(args.output_dir, args.layers, reviews)
     results_path = args.output_dir / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for name in args.launches:

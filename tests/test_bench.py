@@ -145,11 +145,11 @@ def test_the_decoder_job_reads_the_check_s_figures():
 
 
 @pytest.mark.slow
-def test_the_decoder_job_measures_each_rank_beside_the_check(tmp_path):
+def test_the_decoder_job_measures_each_rank_beside_the_check(tmp_path, reviews_csv):
     """One layer of Qwen2.5-0.5B's width (its 151,936-token embedding: 150M parameters) under ZeRO-3."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.decoder", "--output_dir", str(tmp_path), "--layers", "1",
-                             "zero3.yaml"], cwd=REPO, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, **OFFLINE})
+                             "--data", str(reviews_csv), "zero3.yaml"],
+                            cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     run = json.loads((tmp_path / "results.json").read_text())["zero3.yaml"]
     assert run["exit_code"] == 0 and run["stopped"] is None and len(run["losses"]) == 2
