@@ -94,7 +94,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     # A resume checks the checkpoint against the run just built. Then the run takes output_dir, which it holds
     # until it ends (one run at a time), and writes to it from here on; a resume loads the checkpoint.
     identity = checkpoint.identity(cfg, run, data_fingerprint)
-    position = restore(accelerator, optimizer, resume, cfg, identity, **vars(schedule))
+    position = restore(accelerator, optimizer, scheduler, resume, cfg, identity, **vars(schedule))
     if accelerator.is_main_process:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})

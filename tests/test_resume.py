@@ -437,6 +437,21 @@ def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_fi
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zoo_file", ["zero2_offload.yaml", "zero3_offload.yaml"])
+def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, zoo_file):
+    """DeepSpeed's CPU Adam, which accelerate swaps in for train.py's AdamW: after a load the schedule still sets
+    the learning rate it steps with (checkpoint.schedule_the_optimizer_that_steps; without it the run went on at
+    the checkpoint's rate, and losses parted from the second resumed update on), and its bias corrections follow
+    the uninterrupted run's running product (checkpoint.replay_cpu_adam_steps)."""
+    config = REPO / "accelerate_configs" / zoo_file
+    run = [*args, "--max_steps", 8, "--save_steps", 4, "--eval_strategy", "no"]
+    train([*run, "--output_dir", tmp_path / "full"], config_file=config)
+    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_4", "--allow_pickle"],
+          config_file=config)
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", 4)
+
+
 def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
     """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads
     the metadata of FSDP's sharded state with full pickle, as DeepSpeed reads its shards."""

@@ -582,7 +582,8 @@ def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_
     return universal
 
 
-def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir: str, universal: bool) -> None:
+def load_state(accelerator: Accelerator, optimizer, scheduler, checkpoint: str, output_dir: str,
+               universal: bool) -> None:
     """Collective: `accelerator.load_state(checkpoint)`, through DeepSpeed's universal checkpoint where ZeRO's
     partitions change hands (textclf/universal.py); a checkpoint that does not load is one line."""
     if universal:
@@ -591,7 +592,31 @@ def load_state(accelerator: Accelerator, optimizer, checkpoint: str, output_dir:
         load_universal(accelerator, optimizer, checkpoint, output_dir)
     else:
         load_accelerate_state(accelerator, checkpoint)
+    schedule_the_optimizer_that_steps(scheduler, optimizer)
     replay_cpu_adam_steps(optimizer)  # DeepSpeed's CPU Adam (offload) then steps as if never stopped
+
+
+def innermost_optimizer(optimizer):
+    """The optimizer that updates the weights: under accelerate's wrapper and DeepSpeed's ZeRO optimizer, the one
+    ZeRO steps (DeepSpeedCPUAdam where the launch offloads the optimizer)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def schedule_the_optimizer_that_steps(scheduler, optimizer) -> None:
+    """Point the learning-rate schedule at the optimizer that steps, after a load.
+
+    Under offload_optimizer, accelerate swaps DeepSpeedCPUAdam in for the optimizer train.py built, and the two
+    share their param group dicts, which is how the schedule (built on train.py's optimizer) reaches the one that
+    steps. Loading a checkpoint replaces the stepping optimizer's group dicts (torch's load_state_dict makes new
+    ones), so the schedule would go on setting learning rates that nothing reads, and training would go on at the
+    checkpoint's rate.
+    """
+    schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, then torch's LambdaLR
+    stepping = innermost_optimizer(optimizer)
+    if schedule.optimizer is not stepping:
+        schedule.optimizer = stepping
 
 
 def load_accelerate_state(accelerator: Accelerator, folder: str, checkpoint: Optional[str] = None) -> None:
@@ -620,8 +645,7 @@ def replay_cpu_adam_steps(optimizer) -> None:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except ImportError:
         return
-    while not isinstance(optimizer, DeepSpeedCPUAdam) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer  # accelerate's wrapper, then ZeRO's optimizer
+    optimizer = innermost_optimizer(optimizer)
     if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.state:
         return
     steps = max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)

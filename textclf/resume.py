@@ -115,7 +115,7 @@ def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
                              "a new run in another --output_dir)")
 
 
-def restore(accelerator: Accelerator, optimizer, resume: Resume, cfg: TrainConfig, identity: dict,
+def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg: TrainConfig, identity: dict,
             **schedule) -> dict:
     """Collective, after prepare: check the checkpoint against the run that was built (identity: launch, data and
     model; the schedule: total_steps, steps_per_epoch, batches_per_epoch) and every file against its record; take
@@ -138,6 +138,6 @@ def restore(accelerator: Accelerator, optimizer, resume: Resume, cfg: TrainConfi
                           "evaluating and exporting it again. To train longer, pass a larger --max_steps or "
                           "--num_train_epochs")
     checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, path)
-    checkpoint.load_state(accelerator, optimizer, path, cfg.output_dir, resume.universal)
+    checkpoint.load_state(accelerator, optimizer, scheduler, path, cfg.output_dir, resume.universal)
     accelerator.print(f"resumed from {path} at optimizer step {position['step']}")
     return position
