@@ -46,7 +46,7 @@ from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
 from textclf.quiet import scoped
-from textclf.resume import restore
+from textclf.resume import record, restore
 from textclf.runtime import describe, exit_finished_run, make_accelerator, padding_multiple, speed_up
 from textclf.task import Task
 
@@ -93,8 +93,8 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
 
     # A resume checks the checkpoint against the run just built. Then the run takes output_dir, which it holds
     # until it ends (one run at a time), and writes to it from here on; a resume loads the checkpoint.
-    identity = checkpoint.identity(cfg, run, data_fingerprint)
-    position = restore(accelerator, optimizer, scheduler, resume, cfg, identity, **vars(schedule))
+    made = record(cfg, run, data_fingerprint)
+    position = restore(accelerator, optimizer, scheduler, resume, cfg, made, **vars(schedule))
     if accelerator.is_main_process:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
@@ -103,7 +103,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     tracking.start_trackers(accelerator, cfg.to_dict())
 
     def save(step, epoch, batch_in_epoch, metrics, window, best):
-        state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **identity, "metrics": metrics,
+        state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **made, "metrics": metrics,
                  "best": best, "loss_window": gather_object([window.state()]),
                  "config": cfg.to_dict() | resume.asked_split}
 

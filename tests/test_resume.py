@@ -455,15 +455,15 @@ def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, 
 def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
     """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads
     the metadata of FSDP's sharded state with full pickle, as DeepSpeed reads its shards."""
-    from textclf.checkpoint import FSDP_SHARDED, IDENTITY, check_compatible
+    from textclf.checkpoint import FSDP_SHARDED
     from textclf.errors import InputError
+    from textclf.resume import refuse_pickle_unless_allowed
 
     (tmp_path / FSDP_SHARDED).mkdir()
-    identity = {**dict.fromkeys(IDENTITY, "same"), "zero_stage": None}
-    position = {"step": 4, **identity}
+    position = {"step": 4, "zero_stage": None}
     with pytest.raises(InputError, match="written by FSDP, .* pass --allow_pickle if you trust this checkpoint"):
-        check_compatible(str(tmp_path), position, identity, allow_pickle=False)
-    check_compatible(str(tmp_path), position, identity, allow_pickle=True)
+        refuse_pickle_unless_allowed(str(tmp_path), position, allow_pickle=False)
+    refuse_pickle_unless_allowed(str(tmp_path), position, allow_pickle=True)
 
 
 # --- resume by path alone: the checkpoint's config, and what a flag may change ---

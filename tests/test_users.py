@@ -347,7 +347,7 @@ def test_train_py_warns_once_when_accelerate_launch_starts_one_of_two_processes(
 
 # --- answers in seconds ------------------------------------------------------------------------------------
 
-RUN = {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}
+RUN = {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}  # the launch, as resume.check_against takes it
 
 
 @pytest.mark.parametrize("position, launch", [
@@ -363,23 +363,23 @@ RUN = {"num_processes": 1, "zero_stage": None, "mixed_precision": "no"}
      "accelerate launch --config_file accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2"),
 ])
 def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, launch):
-    from textclf import checkpoint
+    from textclf.resume import check_against
 
     run = {**RUN, "distributed_type": "FSDP"} if launch.startswith("FSDP") else RUN
     with pytest.raises(InputError) as refused:
-        checkpoint.check_launch("ck", position, run)
+        check_against("ck", position, run)
     assert str(refused.value).startswith(f"cannot resume from ck: it was made by a launch with {launch}")
-    assert checkpoint.check_launch("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN) is None
+    assert check_against("ck", {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}, RUN) is None
 
 
 def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names_the_ones_that_can():
-    from textclf import checkpoint
+    from textclf.resume import batch_split, check_against, on_this_launch
 
     made = {"world_size": 2, "gradient_accumulation_steps": 3, "per_device_train_batch_size": 8,
             "global_batch_size": 48, "zero_stage": None, "mixed_precision": "no"}
 
     def split(world_size, position=made):
-        found = checkpoint.batch_split("ck", position, world_size)
+        found = batch_split("ck", position, world_size)
         return found["per_device_train_batch_size"], found["gradient_accumulation_steps"]
 
     # Down and up: the accumulation changes while it can, then the micro-batch.
@@ -387,10 +387,10 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names
     # The micro-batch a resume made smaller grows back to the one asked for (the checkpoint's config).
     assert split(1, {**made, "world_size": 12, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
                      "config": {"per_device_train_batch_size": 8}}) == (8, 6)
-    assert checkpoint.check_launch("ck", made, {**RUN, "num_processes": 3}) == (
+    assert check_against("ck", made, {**RUN, "world_size": 3}) == (
         "resuming ck, made by 2 processes with micro-batch 8 and gradient accumulation 3, on 3 processes: "
         "micro-batch 8 and gradient accumulation 2 keep its global batch of 48")
-    assert checkpoint.check_launch("ck", made, {**RUN, "num_processes": 12}).endswith(
+    assert check_against("ck", made, {**RUN, "world_size": 12}).endswith(
         "on 12 processes: micro-batch 4 and gradient accumulation 1 keep its global batch of 48")
     with pytest.raises(InputError) as refused:
         split(5)
@@ -403,12 +403,12 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names
         split(2, {**made, "global_batch_size": None})
     # the position as the new launch counts it: batches per process into the epoch, the loss window split evenly
     window = {"loss_sum": 3.0, "losses": 6, "samples": 48, "real_tokens": 301, "padded_tokens": 400}
-    moved = checkpoint.on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 3, 2, 8)
+    moved = on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 3, 2, 8)
     assert moved["batch_in_epoch"] == 6
     assert moved["loss_window"] == [{"loss_sum": 2.0, "losses": 4, "samples": 32, "real_tokens": 200 + extra,
                                      "padded_tokens": 266 + 2 * (extra > 0)} for extra in (2, 0, 0)]
     # in micro-batches half as big: twice the losses, of the same mean
-    moved = checkpoint.on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 12, 1, 4)
+    moved = on_this_launch({**made, "batch_in_epoch": 9, "loss_window": [window, window]}, 12, 1, 4)
     assert moved["batch_in_epoch"] == 3
     assert [(w["loss_sum"], w["losses"], w["samples"]) for w in moved["loss_window"]] == [(1.0, 2, 8)] * 12
 
@@ -701,14 +701,14 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
 
 
 def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_universal_checkpoint():
-    from textclf import checkpoint
+    from textclf.resume import needs_universal
 
     made = {"world_size": 2, "zero_stage": 3}
-    assert checkpoint.needs_universal("ck", made, 1, False) and not checkpoint.needs_universal("ck", made, 2, True)
-    assert not checkpoint.needs_universal("ck", {**made, "zero_stage": None}, 1, True)  # DDP: whole states
+    assert needs_universal("ck", made, 1, False) and not needs_universal("ck", made, 2, True)
+    assert not needs_universal("ck", {**made, "zero_stage": None}, 1, True)  # DDP: whole states
     with pytest.raises(InputError, match="cannot resume ck on 1 process with --load_best_model_at_end: its ZeRO "
                                          "states were saved by 2 processes"):
-        checkpoint.needs_universal("ck", made, 1, True)
+        needs_universal("ck", made, 1, True)
 
 
 def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monkeypatch):

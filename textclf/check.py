@@ -67,7 +67,7 @@ if __name__ == "__main__":
 
 import torch
 
-from .checkpoint import batch_split, check_launch, find_resume_checkpoint, needs_universal, read_verified_position
+from .checkpoint import find_resume_checkpoint, read_verified_position
 from .data import sample_key
 from .job import load_data
 from .launch import cuda_only, deepspeed_conflicts, fewer_processes, zero_offload
@@ -84,6 +84,7 @@ from .modeling import (
     scratch_tokenizer_folder,
 )
 from .quiet import scoped
+from .resume import batch_split, check_against, needs_universal
 from .runtime import check_deepspeed_config
 from .task import Task
 from .theory import (
@@ -445,9 +446,9 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     resume_line = None
     if resumed:
         try:
-            resume_line = check_launch(*resumed, {"num_processes": world, "distributed_type": kind,
-                                                  "zero_stage": stage if kind == "DEEPSPEED" else None,
-                                                  "mixed_precision": precision})
+            resume_line = check_against(*resumed, {"world_size": world, "distributed_type": kind,
+                                                   "zero_stage": stage if kind == "DEEPSPEED" else None,
+                                                   "mixed_precision": precision})
             needs_universal(*resumed, world, cfg.load_best_model_at_end)  # refuses what train.py would
         except InputError as e:
             conflicts.append(str(e))

@@ -52,29 +52,7 @@ LOCK = ".lock"  # held (flock) by the main process of the run that owns the fold
 # What a run stores of its loss window, per rank (tracking.Window.state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
                "padded_tokens": (int,)}
-# What must match between a checkpoint and the run resuming it, and how to say it. The number of processes, the
-# micro-batch and the accumulation may change (the data order depends on none of them:
-# data.EpochLengthGroupedSampler), as long as they keep the global batch (batch_split).
-IDENTITY = {
-    "global_batch_size": "global batch (micro-batch x processes x accumulation)",
-    "zero_stage": "DeepSpeed ZeRO stage",
-    "mixed_precision": "precision (mixed_precision)",
-    "model": "model",
-    "lora": "lora",
-    "data_fingerprint": "training data",
-}
-# Recorded with the identity, not compared: how the checkpoint's launch split its global batch.
-SPLIT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
 _held_locks = []  # the open lock files of this process: closing one would release the folder
-
-
-def identity(cfg, run: dict, data_fingerprint: str) -> dict:
-    """This run's value of each IDENTITY key: from the launch (`run`, as runtime.describe says it), the
-    training data, or the config."""
-    launch = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
-              "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint,
-              "global_batch_size": run["global_batch_size"]}
-    return {key: launch[key] if key in launch else getattr(cfg, key) for key in (*IDENTITY, *SPLIT)}
 
 
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
@@ -195,122 +173,6 @@ def continue_advice(output_dir: str, free_space: bool = True) -> str:
     if not free_space:
         return then
     return f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
-
-
-LAUNCH_KEYS = ("zero_stage", "mixed_precision")  # the IDENTITY keys the launch decides
-
-
-def processes(n) -> str:
-    return f"{n} process{'es' * (n != 1)}"
-
-
-def batch_split(checkpoint: str, position: dict, world_size: int) -> dict:
-    """The micro-batch and gradient accumulation that make up the checkpoint's global batch on `world_size`
-    processes (per_device_train_batch_size, gradient_accumulation_steps): the micro-batch its run asked for with
-    another accumulation where that divides, else the largest smaller micro-batch that does (on more processes
-    than it has micro-batches). Refused in one line, with the numbers of processes that can, when none does. No
-    torch: it runs before the launch's Accelerator is made, which takes the accumulation."""
-    total, made = position.get("global_batch_size"), position.get("per_device_train_batch_size")
-    if not (isinstance(total, int) and isinstance(made, int) and made > 0):
-        raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
-                         "depended on the number of processes; resume it with the textclf that made it, or start "
-                         "a new run")
-    # The micro-batch asked for is in the checkpoint's config: a resume on more processes may have made it smaller.
-    asked = (position.get("config") or {}).get("per_device_train_batch_size")
-    asked = asked if isinstance(asked, int) and asked > 0 else made
-    micro = next((size for size in range(min(asked, total // world_size), 0, -1)
-                  if total % (size * world_size) == 0), None)
-    if micro is None:
-        fits = [n for n in range(1, total + 1) if total % n == 0]
-        raise InputError(f"cannot resume from {checkpoint} on {processes(world_size)}: its global batch of {total} "
-                         f"({processes(position.get('world_size'))} x micro-batch {made} x accumulation "
-                         f"{position.get('gradient_accumulation_steps')}) does not split into equal micro-batches "
-                         f"over {processes(world_size)}; resume it on {', '.join(map(str, fits))} processes "
-                         f"(accelerate launch --num_processes N ... train.py --resume {checkpoint})")
-    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": total // (micro * world_size)}
-
-
-def check_launch(checkpoint: str, position: dict, run: dict) -> Optional[str]:
-    """Before any data is read: refuse a launch that cannot resume `checkpoint`, giving the one that can. Returns
-    the line that says how a resume on another number of processes keeps the global batch, or None."""
-    this = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
-            "mixed_precision": run["mixed_precision"]}
-    differ = [f"{IDENTITY[key]} {position.get(key)} (this launch: {this[key]})" for key in LAUNCH_KEYS
-              if key in position and position[key] != this[key]]
-    made_on = position.get("world_size")
-    if made_on != this["world_size"] and not differ:  # ZeRO's partitions go through a universal checkpoint
-        if run.get("distributed_type") == "FSDP" or os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)):
-            differ.append(f"FSDP on {processes(made_on)} (this launch: {this['world_size']}), whose sharded "
-                          "states this textclf does not reshard")
-    if differ:
-        raise InputError(f"cannot resume from {checkpoint}: it was made by a launch with {', '.join(differ)}; "
-                         f"resume it with {launch_for(position)} --resume {checkpoint}")
-    if made_on == this["world_size"]:
-        return None
-    split = batch_split(checkpoint, position, this["world_size"])
-    return (f"resuming {checkpoint}, made by {processes(made_on)} with micro-batch "
-            f"{position['per_device_train_batch_size']} and gradient accumulation "
-            f"{position.get('gradient_accumulation_steps')}, on {processes(this['world_size'])}: micro-batch "
-            f"{split['per_device_train_batch_size']} and gradient accumulation {split['gradient_accumulation_steps']} "
-            f"keep its global batch of {position['global_batch_size']}")
-
-
-def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int,
-                   micro_batch: Optional[int] = None) -> dict:
-    """The position as this launch counts it: batches per process into the epoch, and the loss window split
-    evenly over this launch's processes in micro-batches of `micro_batch` (by default the checkpoint's): a
-    checkpoint sits where gradients sync, so all of them divide exactly."""
-    made_on, made_with = position.get("world_size"), position.get("gradient_accumulation_steps")
-    made_micro = position.get("per_device_train_batch_size")
-    micro_batch = micro_batch or made_micro
-    if made_on == world_size and micro_batch == made_micro:
-        return position
-    windows = position.get("loss_window")
-    if isinstance(windows, list) and all(isinstance(w, dict) for w in windows) and \
-            all(type(w.get(key)) in types for w in windows for key, types in WINDOW_KEYS.items()) and \
-            isinstance(made_micro, int) and made_micro > 0:
-        totals = {key: sum(w[key] for w in windows) for key in WINDOW_KEYS}
-        # A loss is one micro-batch's mean: a micro-batch split in two is two losses of the same mean.
-        totals |= {"loss_sum": totals["loss_sum"] * made_micro / micro_batch,
-                   "losses": totals["losses"] * made_micro // micro_batch}
-        windows = [{"loss_sum": totals["loss_sum"] / world_size, "losses": totals["losses"] // world_size,
-                    **{key: totals[key] // world_size + (totals[key] % world_size if rank == 0 else 0)
-                       for key in ("samples", "real_tokens", "padded_tokens")}} for rank in range(world_size)]
-    batch = position.get("batch_in_epoch")
-    if type(batch) is int and isinstance(made_with, int) and made_with > 0:
-        batch = batch // made_with * gradient_accumulation_steps
-    return {**position, "batch_in_epoch": batch, "loss_window": windows}
-
-
-def launch_for(position: dict) -> str:
-    """The command line that starts a run of the checkpoint's launch (processes, ZeRO stage, precision)."""
-    world, stage, precision = position.get("world_size", 1), position.get("zero_stage"), position.get("mixed_precision")
-    if world == 1 and stage is None:
-        return "python train.py" + (f" --mixed_precision {precision}" if precision not in (None, "no") else "")
-    config = (f"accelerate_configs/zero{stage}.yaml (or its _offload variant)" if stage in (2, 3) else
-              f"<a ZeRO-{stage} yaml>" if stage is not None else
-              "accelerate_configs/cpu.yaml (ddp.yaml on GPUs)")
-    return (f"accelerate launch --config_file {config} --num_processes {world} --mixed_precision {precision} "
-            "train.py")
-
-
-def check_compatible(checkpoint: str, position: dict, identity: dict, allow_pickle: bool) -> None:
-    """Stop when the checkpoint was made by a run that differs in a way resume cannot bridge, or
-    when loading it would unpickle arbitrary objects without the user's say-so.
-
-    Accelerate reads its own files (optimizer, scheduler, RNG states) with `weights_only=True` and
-    the model from safetensors; DeepSpeed reads its partition files with full pickle, and
-    torch.distributed.checkpoint (FSDP's sharded state) its metadata.
-    """
-    for key, what in IDENTITY.items():
-        if position.get(key) != identity[key]:
-            raise InputError(f"cannot resume from {checkpoint}: it was made with {what} = {position.get(key)}, "
-                             f"this run has {identity[key]}; resume with the same settings")
-    writer = "DeepSpeed" if position.get("zero_stage") is not None else \
-        "FSDP" if os.path.isdir(os.path.join(checkpoint, FSDP_SHARDED)) else None
-    if writer and not allow_pickle:
-        raise InputError(f"{checkpoint} was written by {writer}, whose files load only with full pickle, which "
-                         "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
 
 
 def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_per_epoch: int,
@@ -567,19 +429,6 @@ def delete_folder(path: str) -> None:
     except OSError as e:
         raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
-
-
-def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_model_at_end: bool) -> bool:
-    """Whether resuming this checkpoint on world_size processes goes through DeepSpeed's universal checkpoint:
-    ZeRO partitions its optimizer state (and, at stage 3, the weights) over the processes that saved it.
-    The best model's reload at the end loads checkpoints of both sizes into one engine, which is not offered."""
-    universal = position.get("zero_stage") is not None and position.get("world_size") != world_size
-    if universal and load_best_model_at_end:
-        raise InputError(f"cannot resume {checkpoint} on {processes(world_size)} with --load_best_model_at_end: its "
-                         f"ZeRO states were saved by {processes(position.get('world_size'))}, and the best model's "
-                         "reload would mix checkpoints of both; resume it on as many processes as made it, or with "
-                         "--load_best_model_at_end false")
-    return universal
 
 
 def load_state(accelerator: Accelerator, optimizer, scheduler, checkpoint: str, output_dir: str,

@@ -68,8 +68,8 @@ SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # 
 # What a resumed run may set differently from its checkpoint (a mark on the field): what keeps the steps it replays
 # exact (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers, the multi-label
 # threshold, which only evaluation reads) or asks for more of the same run (max_steps, num_train_epochs). Every
-# other field must match the checkpoint's (resume.check_resumable); the launch and the data are compared by
-# checkpoint.check_launch and check_compatible.
+# other field must match the checkpoint's: the config row of resume.RESUME_TABLE, which says what a resume does with
+# the launch, the data and the model too.
 MAY_CHANGE_ON_RESUME = "may change on resume"
 
 

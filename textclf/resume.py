@@ -1,5 +1,5 @@
 """Resume, decided in one place: planned once from the checkpoint before the Accelerator exists, restored once
-after `accelerator.prepare`.
+after `accelerator.prepare`, each key of the checkpoint's record handled as RESUME_TABLE says.
 
 `plan_resume` runs before torch is imported (train.py calls it right after the command line), so a resume that this
 launch cannot continue is refused in a fraction of a second. It finds the checkpoint `--resume` names, lays the
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from . import checkpoint
+from .checkpoint import FSDP_SHARDED, WINDOW_KEYS
 from .config import RESUME_MAY_CHANGE, TrainConfig, field_names, parse_config
 from .errors import InputError, say
 from .launch import this_launch
@@ -56,15 +57,16 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Tra
     launch = this_launch(cfg.mixed_precision)
     world_size = launch["num_processes"]
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    rescaled = checkpoint.check_launch(path, position, {**launch, "distributed_type": "FSDP" if fsdp else None})
+    rescaled = check_against(path, position, {"world_size": world_size, "zero_stage": launch["zero_stage"],
+                                              "mixed_precision": launch["mixed_precision"],
+                                              "distributed_type": "FSDP" if fsdp else None})
     if rescaled:
         say(rescaled)
-    cfg = dataclasses.replace(cfg, **checkpoint.batch_split(path, position, world_size))
+    cfg = dataclasses.replace(cfg, **batch_split(path, position, world_size))
     return cfg, Resume(
         checkpoint=path, asked_split=asked,
-        position=checkpoint.on_this_launch(position, world_size, cfg.gradient_accumulation_steps,
-                                           cfg.per_device_train_batch_size),
-        universal=checkpoint.needs_universal(path, position, world_size, cfg.load_best_model_at_end))
+        position=on_this_launch(position, world_size, cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size),
+        universal=needs_universal(path, position, world_size, cfg.load_best_model_at_end))
 
 
 def resolve(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Optional[str], dict, TrainConfig]:
@@ -79,10 +81,9 @@ def resolve(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Optiona
         return None, dict(FRESH), cfg
     position = checkpoint.read_verified_position(path)
     made_with = config_of(path, position)
-    if made_with is not None:
-        if argv is not None:
-            cfg = parse_config(argv, under=made_with)
-        check_resumable(cfg, path, made_with)
+    if made_with is not None and argv is not None:
+        cfg = parse_config(argv, under=made_with)
+    check_against(path, position, {"config": cfg.to_dict()})
     return path, position, cfg
 
 
@@ -104,28 +105,18 @@ def config_of(path: str, position: dict) -> Optional[dict]:
             "overwrite_output_dir": False}
 
 
-def check_resumable(cfg: TrainConfig, path: str, made_with: dict) -> None:
-    """Refuse a value that differs from the checkpoint's where the resumed run would not be the same run."""
-    # Options newer than the checkpoint ran at their defaults.
-    made_with = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | made_with
-    for key, value in cfg.to_dict().items():
-        if key not in RESUME_MAY_CHANGE and value != made_with[key]:
-            raise InputError(f"cannot resume from {path}: it was made with {key} = {made_with[key]}, this run has "
-                             f"{value}; a resumed run keeps what shapes its training (leave out --{key}, or start "
-                             "a new run in another --output_dir)")
-
-
-def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg: TrainConfig, identity: dict,
+def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg: TrainConfig, built: dict,
             **schedule) -> dict:
-    """Collective, after prepare: check the checkpoint against the run that was built (identity: launch, data and
-    model; the schedule: total_steps, steps_per_epoch, batches_per_epoch) and every file against its record; take
-    the output folder (checkpoint.claim_output_dir: nothing is written before it, nothing refused after it); load
-    the checkpoint. Returns the position the loop starts from; a fresh run's is step 0."""
+    """Collective, after prepare: check the checkpoint against the run that was built (`built`: its record of launch,
+    data and model; the schedule: total_steps, steps_per_epoch, batches_per_epoch) and every file against its
+    record; take the output folder (checkpoint.claim_output_dir: nothing is written before it, nothing refused after
+    it); load the checkpoint. Returns the position the loop starts from; a fresh run's is step 0."""
     if resume.checkpoint is None:
         checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, None)
         return resume.position
     path, position = resume.checkpoint, resume.position
-    checkpoint.check_compatible(path, position, identity, cfg.allow_pickle)
+    check_against(path, position, built)
+    refuse_pickle_unless_allowed(path, position, cfg.allow_pickle)
     best = position.get("best")
     if best and cfg.load_best_model_at_end:
         from .cadence import find_best_checkpoint
@@ -141,3 +132,178 @@ def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg:
     checkpoint.load_state(accelerator, optimizer, scheduler, path, cfg.output_dir, resume.universal)
     accelerator.print(f"resumed from {path} at optimizer step {position['step']}")
     return position
+
+
+# What a resume does with each key a checkpoint records (position.json) when this run's value differs.
+MATCH = "match"  # refused: it would be another run
+RESCALE = "rescale"  # made up with gradient accumulation, keeping the global batch (batch_split)
+RESHARD = "reshard"  # ZeRO's states go through DeepSpeed's universal checkpoint (needs_universal); FSDP's are refused
+FIELDS = "fields"  # each config field: refused, but for the fields marked MAY_CHANGE_ON_RESUME (config.py)
+# When this run's value is first known: from the command line and the launch, before torch is imported
+# (plan_resume), or from the run built (restore), which compares every key again with what it now knows for sure.
+LAUNCH, BUILT = "launch", "built"
+
+
+@dataclass(frozen=True)
+class OnResume:
+    action: str
+    what: str  # how a refusal names it
+    known: str
+
+
+RESUME_TABLE = {
+    "config": OnResume(FIELDS, "config", LAUNCH),
+    "zero_stage": OnResume(MATCH, "DeepSpeed ZeRO stage", LAUNCH),
+    "mixed_precision": OnResume(MATCH, "precision (mixed_precision)", LAUNCH),
+    "world_size": OnResume(RESHARD, "processes", LAUNCH),
+    # How a launch splits the global batch: the data order depends on neither (data.EpochLengthGroupedSampler).
+    "per_device_train_batch_size": OnResume(RESCALE, "micro-batch", LAUNCH),
+    "gradient_accumulation_steps": OnResume(RESCALE, "gradient accumulation", LAUNCH),
+    "global_batch_size": OnResume(MATCH, "global batch (micro-batch x processes x accumulation)", BUILT),
+    "model": OnResume(MATCH, "model", BUILT),
+    "lora": OnResume(MATCH, "lora", BUILT),
+    "data_fingerprint": OnResume(MATCH, "training data", BUILT),
+}
+
+
+def record(cfg: TrainConfig, run: dict, data_fingerprint: str) -> dict:
+    """This run's value of each key of RESUME_TABLE but its config, which a checkpoint records beside it: from the
+    launch (`run`, as runtime.describe says it), the training data, or the config."""
+    known = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
+             "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint,
+             "global_batch_size": run["global_batch_size"]}
+    return {key: known[key] if key in known else getattr(cfg, key) for key in RESUME_TABLE if key != "config"}
+
+
+def check_against(path: str, position: dict, this: dict) -> Optional[str]:
+    """Refuse, in one line, what makes this run another run than the checkpoint's, by RESUME_TABLE: `this` holds this
+    run's value of the keys known by now (the check command passes the launch's alone). Returns the line that says
+    how the global batch is kept on another number of processes, or None."""
+    if "config" in this and position.get("config") is not None:  # older checkpoints hold none: flags given again
+        refuse_config_changes(path, position["config"], this["config"])
+    differ = [key for key, rule in RESUME_TABLE.items() if rule.action == MATCH and key in this
+              and position.get(key) != this[key]]
+    made_on, world = position.get("world_size"), this.get("world_size", position.get("world_size"))
+    resharded_fsdp = made_on != world and (this.get("distributed_type") == "FSDP"
+                                           or os.path.isdir(os.path.join(path, FSDP_SHARDED)))
+    at_launch = [f"{RESUME_TABLE[key].what} {position.get(key)} (this launch: {this[key]})" for key in differ
+                 if RESUME_TABLE[key].known == LAUNCH]
+    at_launch += [f"FSDP on {processes(made_on)} (this launch: {world}), whose sharded states this textclf does not "
+                  "reshard"] if resharded_fsdp else []
+    if at_launch:
+        raise InputError(f"cannot resume from {path}: it was made by a launch with {', '.join(at_launch)}; resume it "
+                         f"with {launch_for(position)} --resume {path}")
+    if differ:
+        key = differ[0]
+        raise InputError(f"cannot resume from {path}: it was made with {RESUME_TABLE[key].what} = "
+                         f"{position.get(key)}, this run has {this[key]}; resume with the same settings")
+    if made_on == world:
+        return None
+    split = batch_split(path, position, world)
+    return (f"resuming {path}, made by {processes(made_on)} with micro-batch {position['per_device_train_batch_size']} "
+            f"and gradient accumulation {position.get('gradient_accumulation_steps')}, on {processes(world)}: "
+            f"micro-batch {split['per_device_train_batch_size']} and gradient accumulation "
+            f"{split['gradient_accumulation_steps']} keep its global batch of {position['global_batch_size']}")
+
+
+def refuse_config_changes(path: str, made_with: dict, config: dict) -> None:
+    """The config row of RESUME_TABLE: a field not marked MAY_CHANGE_ON_RESUME keeps the checkpoint's value."""
+    made_with = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | made_with  # newer options: defaults
+    for key, value in config.items():
+        if key not in RESUME_MAY_CHANGE and value != made_with[key]:
+            raise InputError(f"cannot resume from {path}: it was made with {key} = {made_with[key]}, this run has "
+                             f"{value}; a resumed run keeps what shapes its training (leave out --{key}, or start "
+                             "a new run in another --output_dir)")
+
+
+def refuse_pickle_unless_allowed(path: str, position: dict, allow_pickle: bool) -> None:
+    """Accelerate reads its own files (optimizer, scheduler, RNG states) with `weights_only=True` and the model from
+    safetensors; DeepSpeed reads its partition files with full pickle, and torch.distributed.checkpoint (FSDP's
+    sharded state) its metadata: those load only with the user's say-so."""
+    writer = "DeepSpeed" if position.get("zero_stage") is not None else \
+        "FSDP" if os.path.isdir(os.path.join(path, FSDP_SHARDED)) else None
+    if writer and not allow_pickle:
+        raise InputError(f"{path} was written by {writer}, whose files load only with full pickle, which "
+                         "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
+
+
+def processes(n) -> str:
+    return f"{n} process{'es' * (n != 1)}"
+
+
+def batch_split(checkpoint: str, position: dict, world_size: int) -> dict:
+    """The micro-batch and gradient accumulation that make up the checkpoint's global batch on `world_size`
+    processes (per_device_train_batch_size, gradient_accumulation_steps): the micro-batch its run asked for with
+    another accumulation where that divides, else the largest smaller micro-batch that does (on more processes
+    than it has micro-batches). Refused in one line, with the numbers of processes that can, when none does. No
+    torch: it runs before the launch's Accelerator is made, which takes the accumulation."""
+    total, made = position.get("global_batch_size"), position.get("per_device_train_batch_size")
+    if not (isinstance(total, int) and isinstance(made, int) and made > 0):
+        raise InputError(f"cannot resume from {checkpoint}: it was made by an older textclf, whose data order "
+                         "depended on the number of processes; resume it with the textclf that made it, or start "
+                         "a new run")
+    # The micro-batch asked for is in the checkpoint's config: a resume on more processes may have made it smaller.
+    asked = (position.get("config") or {}).get("per_device_train_batch_size")
+    asked = asked if isinstance(asked, int) and asked > 0 else made
+    micro = next((size for size in range(min(asked, total // world_size), 0, -1)
+                  if total % (size * world_size) == 0), None)
+    if micro is None:
+        fits = [n for n in range(1, total + 1) if total % n == 0]
+        raise InputError(f"cannot resume from {checkpoint} on {processes(world_size)}: its global batch of {total} "
+                         f"({processes(position.get('world_size'))} x micro-batch {made} x accumulation "
+                         f"{position.get('gradient_accumulation_steps')}) does not split into equal micro-batches "
+                         f"over {processes(world_size)}; resume it on {', '.join(map(str, fits))} processes "
+                         f"(accelerate launch --num_processes N ... train.py --resume {checkpoint})")
+    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": total // (micro * world_size)}
+
+
+def on_this_launch(position: dict, world_size: int, gradient_accumulation_steps: int,
+                   micro_batch: Optional[int] = None) -> dict:
+    """The position as this launch counts it: batches per process into the epoch, and the loss window split
+    evenly over this launch's processes in micro-batches of `micro_batch` (by default the checkpoint's): a
+    checkpoint sits where gradients sync, so all of them divide exactly."""
+    made_on, made_with = position.get("world_size"), position.get("gradient_accumulation_steps")
+    made_micro = position.get("per_device_train_batch_size")
+    micro_batch = micro_batch or made_micro
+    if made_on == world_size and micro_batch == made_micro:
+        return position
+    windows = position.get("loss_window")
+    if isinstance(windows, list) and all(isinstance(w, dict) for w in windows) and \
+            all(type(w.get(key)) in types for w in windows for key, types in WINDOW_KEYS.items()) and \
+            isinstance(made_micro, int) and made_micro > 0:
+        totals = {key: sum(w[key] for w in windows) for key in WINDOW_KEYS}
+        # A loss is one micro-batch's mean: a micro-batch split in two is two losses of the same mean.
+        totals |= {"loss_sum": totals["loss_sum"] * made_micro / micro_batch,
+                   "losses": totals["losses"] * made_micro // micro_batch}
+        windows = [{"loss_sum": totals["loss_sum"] / world_size, "losses": totals["losses"] // world_size,
+                    **{key: totals[key] // world_size + (totals[key] % world_size if rank == 0 else 0)
+                       for key in ("samples", "real_tokens", "padded_tokens")}} for rank in range(world_size)]
+    batch = position.get("batch_in_epoch")
+    if type(batch) is int and isinstance(made_with, int) and made_with > 0:
+        batch = batch // made_with * gradient_accumulation_steps
+    return {**position, "batch_in_epoch": batch, "loss_window": windows}
+
+
+def launch_for(position: dict) -> str:
+    """The command line that starts a run of the checkpoint's launch (processes, ZeRO stage, precision)."""
+    world, stage, precision = position.get("world_size", 1), position.get("zero_stage"), position.get("mixed_precision")
+    if world == 1 and stage is None:
+        return "python train.py" + (f" --mixed_precision {precision}" if precision not in (None, "no") else "")
+    config = (f"accelerate_configs/zero{stage}.yaml (or its _offload variant)" if stage in (2, 3) else
+              f"<a ZeRO-{stage} yaml>" if stage is not None else
+              "accelerate_configs/cpu.yaml (ddp.yaml on GPUs)")
+    return (f"accelerate launch --config_file {config} --num_processes {world} --mixed_precision {precision} "
+            "train.py")
+
+
+def needs_universal(checkpoint: str, position: dict, world_size: int, load_best_model_at_end: bool) -> bool:
+    """Whether resuming this checkpoint on world_size processes goes through DeepSpeed's universal checkpoint:
+    ZeRO partitions its optimizer state (and, at stage 3, the weights) over the processes that saved it.
+    The best model's reload at the end loads checkpoints of both sizes into one engine, which is not offered."""
+    universal = position.get("zero_stage") is not None and position.get("world_size") != world_size
+    if universal and load_best_model_at_end:
+        raise InputError(f"cannot resume {checkpoint} on {processes(world_size)} with --load_best_model_at_end: its "
+                         f"ZeRO states were saved by {processes(position.get('world_size'))}, and the best model's "
+                         "reload would mix checkpoints of both; resume it on as many processes as made it, or with "
+                         "--load_best_model_at_end false")
+    return universal
