@@ -445,12 +445,13 @@ def test_an_unquoted_no_in_the_yaml_is_named(capsys, tmp_path):
 def test_the_command_line_entry_point(tmp_path):
     """`python -m textclf.check` as users run it: report on stdout, conflicts on stderr, exit status."""
     ok = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", "accelerate_configs/zero3.yaml",
-                         "--target", "cpu", "--model", "scratch-tiny"],
+                         "--target", "cpu", "--model", "scratch-tiny", *NO_CACHE],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "DeepSpeed ZeRO-3 (DEEPSPEED)" in ok.stdout and "memory per rank" in ok.stdout
     variant = write_yaml(tmp_path / "cpu_fp16.yaml", "cpu.yaml", mixed_precision="fp16")
-    bad = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", str(variant), "--target", "cpu"],
+    bad = subprocess.run([sys.executable, "-m", "textclf.check", "--config_file", str(variant), "--target", "cpu",
+                          *NO_CACHE],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "conflict: precision (" in bad.stderr
 
@@ -484,7 +485,7 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
         assert status == 1 and "starts a single process, not the 2 asked for" in " ".join(conflicts(err))
     # The user's default config (no --config_file) resolves the same way.
     default = subprocess.run([sys.executable, "-m", "textclf.check", "--num_processes", str(processes),
-                              *map(str, TINY)],
+                              *map(str, TINY), *NO_CACHE],
                              cwd=REPO, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "HF_HOME": str(accelerate_home)})
     assert report(default.stdout)["processes"] == shown["processes"]

@@ -76,15 +76,15 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
     UTF-8 is read as GB18030 (which includes GBK) when it decodes as that, with a note saying so;
     `encoding` chooses another. A file is read once when it loads; a failure is diagnosed after it.
     """
-    if path == DEFAULT_DATA and not os.path.exists(path):
-        build_default_corpus(path)
-    require_data(path)
-    if encoding:
+    if encoding:  # before the default corpus is built: a mistyped flag costs nothing
         try:
             codecs.lookup(encoding)
         except LookupError:
             raise InputError(f"--encoding {encoding}: not an encoding Python knows; give the file's encoding, e.g. "
                              "utf-8, gb18030, big5, shift_jis or latin-1") from None
+    if path == DEFAULT_DATA and not os.path.exists(path):
+        build_default_corpus(path)
+    require_data(path)
     if os.path.isdir(path):
         table = load_folder(path)
     else:
