@@ -194,7 +194,7 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
             stopping = False
             if step % cfg.logging_steps == 0 or step == total_steps:
                 # The epoch as a fraction, as the Trainer logs it.
-                stopping = log(accelerator, window, step, step / schedule.steps_per_epoch, scheduler, progress,
+                stopping = log(accelerator, window, step, step / schedule.steps_per_epoch, optimizer, progress,
                                stop_requested)
                 watch.check(step)
                 window = tracking.Window()
@@ -221,10 +221,11 @@ def fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader
     return step, metrics, best
 
 
-def log(accelerator, window, step: int, epoch: float, scheduler, progress, stop_requested: list) -> bool:
+def log(accelerator, window, step: int, epoch: float, optimizer, progress, stop_requested: list) -> bool:
     """Log the window's loss and throughput; returns whether the run stops here. All ranks agree on it: asking
     waits for the device, as logging does, so a step between two log lines never waits for it."""
-    values = {**window.summary(accelerator), "lr": scheduler.get_last_lr()[0], "epoch": epoch}
+    # The learning rate the next step applies, read from the optimizer that steps rather than from the schedule.
+    values = {**window.summary(accelerator), "lr": optimizer.param_groups[0]["lr"], "epoch": epoch}
     tracking.log(accelerator, values, step)
     progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values['real_tokens_per_s']:.0f}")
     if stop_requested:

@@ -129,12 +129,13 @@ def test_the_documented_commands_that_need_no_training_run_as_written(tmp_path):
     """Run in the repository root as a user would type them (the virtual environment's python and
     accelerate first on PATH), in order, with accelerate's config folder in tmp_path: what the page shows
     them print is printed, and they succeed unless the page shows a conflict or an error."""
+    from torch.utils.cpp_extension import get_default_build_root
+
     # A home of its own too: a scratch tokenizer in the user's ~/.cache/textclf would have the check read the
     # default data, and build the default corpus in the repository's data/ (conftest's guard). DeepSpeed's ops
     # stay where they were compiled.
     env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "huggingface"), "HOME": str(tmp_path / "home"),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  os.path.expanduser("~/.cache/torch_extensions")),
+           "TORCH_EXTENSIONS_DIR": get_default_build_root(),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     ran = []
     for page, command, shown in documented_commands():

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
+import types
 
 import psutil
 import pytest
@@ -435,6 +436,31 @@ def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_fi
     assert errors == [f"error: cannot resume from {damaged}: {partition} is missing; resume from another checkpoint "
                       "(--resume <output_dir>/step_<N>)"], refused.stderr[-3000:]
     assert not (tmp_path / "refused").exists()
+
+
+def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_steps():
+    """As accelerate builds DeepSpeed's CPU Adam for offload_optimizer: a second optimizer on the param group dicts
+    of the one the schedule was built on. Loading a state dict gives it new dicts; pointed at it again, the schedule
+    sets the rate it steps with, and only then."""
+    import torch
+
+    from textclf.checkpoint import schedule_the_optimizer_that_steps
+
+    def build():
+        weight = torch.nn.Parameter(torch.zeros(4))
+        built = torch.optim.AdamW([weight], lr=1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(built, lambda step: 1 / (step + 1))
+        return built, schedule, torch.optim.AdamW(built.param_groups)  # the second shares the group dicts
+
+    saved = build()[2].state_dict()
+    for pointed in (False, True):
+        _, schedule, stepping = build()
+        stepping.load_state_dict(saved)
+        wrapped = types.SimpleNamespace(scheduler=schedule)  # accelerate's AcceleratedScheduler
+        if pointed:
+            schedule_the_optimizer_that_steps(wrapped, types.SimpleNamespace(optimizer=stepping))
+        schedule.step()
+        assert (stepping.param_groups[0]["lr"] == 0.5) == pointed
 
 
 @pytest.mark.slow

@@ -551,7 +551,8 @@ def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_pa
 
     checkpoint = tmp_path / "out" / "step_3"
     checkpoint.mkdir(parents=True)
-    position = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "world_size": 1, "zero_stage": 3, "mixed_precision": "no"}
+    position = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "world_size": 1, "zero_stage": 3, "mixed_precision": "no",
+                "global_batch_size": 32, "per_device_train_batch_size": 32, "gradient_accumulation_steps": 1}
     (checkpoint / "position.json").write_text(json.dumps(sealed(position)))
     result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)

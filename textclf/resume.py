@@ -56,13 +56,14 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Tra
         return cfg, Resume(asked_split=asked)
     launch = this_launch(cfg.mixed_precision)
     world_size = launch["num_processes"]
+    split = batch_split(path, position, world_size)  # first: it refuses a checkpoint older than the launch's record
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     rescaled = check_against(path, position, {"world_size": world_size, "zero_stage": launch["zero_stage"],
                                               "mixed_precision": launch["mixed_precision"],
                                               "distributed_type": "FSDP" if fsdp else None})
     if rescaled:
         say(rescaled)
-    cfg = dataclasses.replace(cfg, **batch_split(path, position, world_size))
+    cfg = dataclasses.replace(cfg, **split)
     return cfg, Resume(
         checkpoint=path, asked_split=asked,
         position=on_this_launch(position, world_size, cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size),
@@ -134,7 +135,9 @@ def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg:
     return position
 
 
-# What a resume does with each key a checkpoint records (position.json) when this run's value differs.
+# What a resume does with each key a checkpoint records (position.json) when this run's value differs. check_against
+# applies the MATCH rows and the config's as they stand; the RESHARD and RESCALE rows name what it does for another
+# number of processes (batch_split, needs_universal).
 MATCH = "match"  # refused: it would be another run
 RESCALE = "rescale"  # made up with gradient accumulation, keeping the global batch (batch_split)
 RESHARD = "reshard"  # ZeRO's states go through DeepSpeed's universal checkpoint (needs_universal); FSDP's are refused
