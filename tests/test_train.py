@@ -249,12 +249,13 @@ def test_train_py_says_bad_input_in_one_error_line_with_exit_code_2(case, tmp_pa
 
 
 @pytest.mark.slow  # the refusal's rule is in the fast tier (test_speed.py); this is the command's side of it
-def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_before_anything_is_written(tmp_path,
-                                                                                                        cache_dir):
+def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_before_anything_is_written(
+        tmp_path, reviews_csv, cache_dir):
     """A launch's dynamo settings are taken (runtime.speed_up compiles the blocks with them); a flag that says
     otherwise is one line."""
     out = tmp_path / "out"
-    result = train_forked([*TINY, "--cache_dir", cache_dir, "--output_dir", out, "--torch_compile", "false"],
+    result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
+                           "--torch_compile", "false"],
                           launch_args=["--dynamo_backend", "inductor"], check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
