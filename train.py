@@ -17,14 +17,14 @@ if __name__ == "__main__":
 
 from textclf.config import HELD_OUT, TrainConfig, parse_config
 from textclf.launch import check_command_line, check_launch_early, launch_shortfall
-from textclf.resume import Resume, plan_resume
+from textclf.start import Start, plan_start
 
 if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the heavy imports below;
     # so do a missing data file, a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
     run_command(lambda: check_command_line(cfg))
-    cfg, resume = run_command(lambda: plan_resume(cfg, sys.argv[1:]))
+    cfg, start = run_command(lambda: plan_start(cfg, sys.argv[1:]))
     run_command(lambda: check_launch_early(cfg))
 
 import math
@@ -46,16 +46,16 @@ from textclf.metrics import evaluate_model
 from textclf.model_folder import export_model
 from textclf.modeling import parameter_counts, parameter_groups
 from textclf.quiet import scoped
-from textclf.resume import record, restore
 from textclf.runtime import describe, exit_finished_run, make_accelerator, padding_multiple, speed_up
+from textclf.start import begin, record
 from textclf.task import Task
 
 
 @scoped  # what the run sets in the libraries (quiet warnings and bars, signal handlers) is put back at its end
-def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
-    if resume is None:  # called from code (a notebook, a test): planned here, as the command line plans it
-        cfg, resume = plan_resume(cfg)
-    accelerator = make_accelerator(cfg, load_universal=resume.universal)
+def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
+    if start is None:  # called from code (a notebook, a test): planned here, as the command line plans it
+        cfg, start = plan_start(cfg)
+    accelerator = make_accelerator(cfg, load_universal=start.universal)
     run = describe(accelerator, cfg)
     accelerator.print(f"config: {cfg.to_dict()}")
     accelerator.print(" | ".join(f"{k}: {run[k]}" for k in ("distributed_type", "num_processes", "mixed_precision",
@@ -94,7 +94,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     # A resume checks the checkpoint against the run just built. Then the run takes output_dir, which it holds
     # until it ends (one run at a time), and writes to it from here on; a resume loads the checkpoint.
     made = record(cfg, run, data_fingerprint)
-    position = restore(accelerator, optimizer, scheduler, resume, cfg, made, **vars(schedule))
+    position = begin(accelerator, optimizer, scheduler, start, cfg, made, **vars(schedule))
     if accelerator.is_main_process:
         checkpoint.write_json(os.path.join(cfg.output_dir, "run.json"), {"config": cfg.to_dict(), **run,
                                                                          "labels": label_names})
@@ -105,7 +105,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     def save(step, epoch, batch_in_epoch, metrics, window, best):
         state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, **made, "metrics": metrics,
                  "best": best, "loss_window": gather_object([window.state()]),
-                 "config": cfg.to_dict() | resume.asked_split}
+                 "config": cfg.to_dict() | start.asked_split}
 
         def describe_model(folder):  # what export needs besides the weights: the config (id2label), the tokenizer
             accelerator.unwrap_model(model).config.save_pretrained(folder)
@@ -113,7 +113,7 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
 
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
-            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, resume.checkpoint,
+            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, start.checkpoint,
                               task.greater_is_better(cfg.metric_for_best_model))
         return path
 
@@ -271,5 +271,5 @@ def request_stop_on_signals(accelerator, logging_steps: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    run_command(lambda: main(cfg, resume))  # bad input: one `error:` line, exit code 2
+    run_command(lambda: main(cfg, start))  # bad input: one `error:` line, exit code 2
     exit_finished_run()  # no interpreter teardown with gloo threads alive (textclf/runtime.py)

@@ -82,7 +82,7 @@ def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> N
     try:
         cfg = run_command(lambda: parse_config(args))
         run_command(lambda: train.check_command_line(cfg))
-        cfg, resume = run_command(lambda: train.plan_resume(cfg, args))
+        cfg, resume = run_command(lambda: train.plan_start(cfg, args))
         run_command(lambda: train.check_launch_early(cfg))
         run_command(lambda: train.main(cfg, resume))
         exit_finished_run()

@@ -120,7 +120,7 @@ def main() -> None:
     import train
     from textclf.config import parse_config
 
-    cfg, resume = train.plan_resume(parse_config(sys.argv[1:]), sys.argv[1:])
+    cfg, resume = train.plan_start(parse_config(sys.argv[1:]), sys.argv[1:])
     try:
         train.main(cfg, resume)
     finally:

@@ -339,8 +339,8 @@ BAD_POSITIONS = {
 
 @pytest.mark.parametrize("case", BAD_POSITIONS)
 def test_a_position_outside_the_schedule_is_one_line_per_violation(case):
-    from textclf.checkpoint import check_position
     from textclf.errors import InputError
+    from textclf.resume import check_position
 
     changes, messages = BAD_POSITIONS[case]
     position = {"step": 6, "epoch": 1, "batch_in_epoch": 3, "loss_window": WINDOWS, **changes}

@@ -444,7 +444,7 @@ def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_
     sets the rate it steps with, and only then."""
     import torch
 
-    from textclf.checkpoint import schedule_the_optimizer_that_steps
+    from textclf.resume import schedule_the_optimizer_that_steps
 
     def build():
         weight = torch.nn.Parameter(torch.zeros(4))
@@ -467,9 +467,9 @@ def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_
 @pytest.mark.parametrize("zoo_file", ["zero2_offload.yaml", "zero3_offload.yaml"])
 def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, zoo_file):
     """DeepSpeed's CPU Adam, which accelerate swaps in for train.py's AdamW: after a load the schedule still sets
-    the learning rate it steps with (checkpoint.schedule_the_optimizer_that_steps; without it the run went on at
+    the learning rate it steps with (resume.schedule_the_optimizer_that_steps; without it the run went on at
     the checkpoint's rate, and losses parted from the second resumed update on), and its bias corrections follow
-    the uninterrupted run's running product (checkpoint.replay_cpu_adam_steps)."""
+    the uninterrupted run's running product (resume.replay_cpu_adam_steps)."""
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 8, "--save_steps", 4, "--eval_strategy", "no"]
     train([*run, "--output_dir", tmp_path / "full"], config_file=config)
@@ -512,6 +512,18 @@ def fake_checkpoint(folder, **made_with):
     config = {**dataclasses.asdict(TrainConfig()), **made_with}
     (folder / "position.json").write_text(json.dumps({"step": int(folder.name.split("_")[1]), "config": config}))
     return folder
+
+
+def test_a_checkpoint_records_every_key_the_resume_table_rules_on():
+    """start.record (what a fresh run's checkpoints hold) and resume.RESUME_TABLE (imported only to resume) name
+    the same keys: a key recorded but not ruled on would never be checked, one ruled on but not recorded never
+    matches."""
+    from textclf.config import TrainConfig
+    from textclf.resume import RESUME_TABLE
+    from textclf.start import record
+
+    run = {"num_processes": 2, "zero_stage": None, "mixed_precision": "no", "global_batch_size": 64}
+    assert set(record(TrainConfig(), run, "fingerprint")) == set(RESUME_TABLE) - {"config"}
 
 
 MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "learning_rate": 0.002,

@@ -170,7 +170,7 @@ def test_deepspeed_cpu_adam_resumed_with_its_steps_replayed_steps_as_if_never_st
     after 20 steps matches the uninterrupted one bit for bit once its steps are replayed, and not without."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from textclf.checkpoint import replay_cpu_adam_steps
+    from textclf.resume import replay_cpu_adam_steps
 
     gradients = [torch.randn(64, generator=torch.Generator().manual_seed(step)) for step in range(30)]
 

@@ -116,6 +116,7 @@ def test_the_default_job_resumes_bitwise_exports_and_loads_in_a_pipeline(tmp_pat
 
 # What a fresh default run has no use for: each sits in a module of its own, imported where it is first needed.
 ONLY_WHEN_NEEDED = {
+    "textclf.resume": "a run continued from a checkpoint: planned, checked and loaded",
     "textclf.integrity": "a checkpoint's files verified before it is loaded",
     "textclf.leftovers": "what an interrupted run left in the output folder",
     "textclf.universal": "DeepSpeed's universal checkpoint (a ZeRO resume on another number of processes)",
@@ -129,7 +130,7 @@ def test_a_fresh_default_run_imports_only_what_it_runs(four_step_run):
     """The default job's first run (conftest's four_step_run: fresh folder, checkpoints, export) imports none of
     the modules a resume, a fault or DeepSpeed needs: a fork reading one run reads only what it ran."""
     imported = set(four_step_run.with_name(f"{four_step_run.name}.imports").read_text(encoding="utf-8").split())
-    assert {"textclf.config", "textclf.checkpoint", "textclf.resume", "textclf.data"} <= imported  # it was seen
+    assert {"textclf.config", "textclf.checkpoint", "textclf.start", "textclf.data"} <= imported  # it was seen
     assert not imported & set(ONLY_WHEN_NEEDED), {name: ONLY_WHEN_NEEDED[name] for name in imported
                                                   if name in ONLY_WHEN_NEEDED}
 

@@ -1,18 +1,12 @@
-"""Checkpoints: atomic `step_<N>/` folders that describe themselves, `latest`, rotation, resume checks,
-and the output folder that one run at a time owns.
+"""Checkpoints as a run writes them: atomic `step_<N>/` folders that describe themselves, rotation, and the output
+folder that one run at a time owns (what a resume checks and loads is in textclf/resume.py).
 
-A checkpoint is what `accelerator.save_state` writes plus `position.json`: the loop position
-(optimizer step, epoch, batches consumed in that epoch), what the run was made with (world size,
-gradient accumulation, micro batch, model, data fingerprint), its evaluation, the resolved config,
-each rank's loss window (tracking.Window), the list of its files with their sizes and sha256, and a
-sha256 of its own fields. `position.json` is written last, inside a temporary folder that is then
-renamed, so a `step_<N>/` folder either is complete or does not exist. Whatever loads a checkpoint
-(resume, the best model's reload, export, predict, report) first reads every file in full against
-the list: a changed byte anywhere is refused, naming the file.
-
-Folders are deleted through a rename (`.deleting_<name>`), so a kill mid-way never leaves a half
-deleted folder that looks like a checkpoint. What a killed run leaves (`.incomplete_step_<N>`,
-`.deleting_*`) is removed when the next run claims the folder.
+A checkpoint is what `accelerator.save_state` writes plus `position.json`: the loop position, what the run was made
+with (start.record), its evaluation, config and loss windows, and the size and sha256 of every file, sealed by a
+sha256 of its own fields. It is written last, into a temporary folder then renamed, so a `step_<N>/` folder either
+is complete or does not exist; whatever loads a checkpoint first reads every file against that list. Folders are
+deleted through a rename too, and what a killed run leaves (`.incomplete_*`, `.deleting_*`) is removed when the
+next run claims the folder.
 """
 
 from __future__ import annotations
@@ -21,9 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import math
 import os
-import pickle
 import re
 import shutil
 import socket
@@ -49,9 +41,6 @@ UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another
 # What runs killed while saving, deleting or converting a checkpoint leave (textclf/leftovers.py removes it).
 LEFTOVERS = (INCOMPLETE, DELETING, UNIVERSAL)
 LOCK = ".lock"  # held (flock) by the main process of the run that owns the folder
-# What a run stores of its loss window, per rank (tracking.Window.state).
-WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
-               "padded_tokens": (int,)}
 _held_locks = []  # the open lock files of this process: closing one would release the folder
 
 
@@ -117,52 +106,26 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
     """The checkpoint to resume from, or None to start fresh; refuses to mix runs in one folder."""
     refuse_if_in_use(output_dir)
     path = choose_checkpoint(resume, output_dir, overwrite)
-    newer = without_position(output_dir, int(STEP_DIR.match(os.path.basename(path))[1])) if resume == "latest" else []
-    if newer and int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
-              f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
-              f"{path}", file=sys.stderr)
+    if resume == "latest":
+        from .resume import warn_of_lost_positions
+
+        warn_of_lost_positions(output_dir, path)
     return path
 
 
 def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
+    """find_resume_checkpoint's choice, made again under the lock (claim_output_dir)."""
     existing = complete_checkpoints(output_dir)
+    if resume not in (None, "auto"):
+        from .resume import named_checkpoint
+
+        return named_checkpoint(resume, output_dir, overwrite, existing)
     if resume == "auto":  # one command that starts a run and continues it (a requeued job reruns its command)
         return existing[-1][1] if existing else None
-    if resume == "latest":
-        newer = without_position(output_dir, existing[-1][0] if existing else -1)
-        if not existing:
-            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}"
-                             + (f" ({', '.join(newer)} without {POSITION})" if newer else "")
-                             + "; drop --resume to start a fresh run")
-        return existing[-1][1]
-    if resume:
-        later = later_checkpoints(output_dir, resume)
-        if later and not overwrite:
-            raise InputError(f"--resume {resume}: {output_dir} holds checkpoints after it ({', '.join(later)}), which "
-                             "this run would write over; pass --overwrite_output_dir to move them aside, or "
-                             "--output_dir <another folder> to keep both runs")
-        return resume
     if existing and not overwrite:
         raise InputError(f"{output_dir} already holds checkpoints (newest {existing[-1][1]}); pass --resume latest "
                          "to continue that run, or --overwrite_output_dir to start over")
     return None
-
-
-def later_checkpoints(output_dir: str, checkpoint: str) -> list[str]:
-    """The step_<N> folders of output_dir after `checkpoint` (by its step_<N> name), oldest first: a run resumed
-    from it saves at their steps again."""
-    match = STEP_DIR.match(os.path.basename(os.path.normpath(checkpoint)))
-    if not match:
-        return []
-    return [os.path.basename(path) for step, path in step_folders(output_dir) if step > int(match.group(1))]
-
-
-def without_position(output_dir: str, newer_than: int) -> list[str]:
-    """The step_<N> folders above step `newer_than` that have no position.json, oldest first: a save never
-    leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
-    return [os.path.basename(path) for step, path in step_folders(output_dir)
-            if step > newer_than and not os.path.isfile(os.path.join(path, POSITION))]
 
 
 def continue_advice(output_dir: str, free_space: bool = True) -> str:
@@ -173,52 +136,6 @@ def continue_advice(output_dir: str, free_space: bool = True) -> str:
     if not free_space:
         return then
     return f"free space (or choose another --output_dir){', then' if previous else ' and'} {then}"
-
-
-def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_per_epoch: int,
-                   batches_per_epoch: int, gradient_accumulation_steps: int, world_size: int) -> None:
-    """The loop position must be one this run's schedule passes through: one line per violation.
-
-    Within an epoch the optimizer steps after every `gradient_accumulation_steps` batches and after the
-    epoch's last one, so a checkpoint taken after `batch_in_epoch` batches of epoch `epoch` is at step
-    epoch * steps_per_epoch + ceil(batch_in_epoch / gradient_accumulation_steps).
-    """
-    problems = []
-    for key in ("step", "epoch", "batch_in_epoch"):
-        value = position.get(key)
-        if type(value) is not int or value < 0:  # bool is an int to Python, not to a loop position
-            problems.append(f"{key} is {json.dumps(value)}, expected a whole number >= 0")
-    if not problems:
-        step, epoch, batch = position["step"], position["epoch"], position["batch_in_epoch"]
-        if step > total_steps:
-            problems.append(f"step is {step}, past the end of this run at step {total_steps} "
-                            "(--max_steps, or --num_train_epochs)")
-        if not 1 <= batch <= batches_per_epoch:
-            problems.append(f"batch_in_epoch is {batch}, outside this run's epoch of {batches_per_epoch} "
-                            "batches per process")
-        elif step != epoch * steps_per_epoch + math.ceil(batch / gradient_accumulation_steps):
-            problems.append(f"step {step} is not where epoch {epoch}, batch {batch} of this run's schedule "
-                            f"({steps_per_epoch} optimizer steps per epoch) is")
-    windows = position.get("loss_window")
-    if "loss_window" not in position:
-        problems.append("it has no loss_window (written by an older textclf)")
-    elif not (isinstance(windows, list) and len(windows) == world_size and all(
-            isinstance(w, dict) and all(type(w.get(key)) in types for key, types in WINDOW_KEYS.items())
-            for w in windows)):
-        problems.append(f"loss_window is not one loss window ({', '.join(WINDOW_KEYS)}) per process "
-                        f"({world_size})")
-    if problems:
-        raise InputError("\n".join(f"cannot resume from {checkpoint}: {POSITION}: {problem}; resume from another "
-                                   "checkpoint" for problem in problems))
-
-
-def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **schedule) -> None:
-    """Before any step runs (collective): the position is one this run's schedule passes through
-    (check_position), and every file is the one saved (verify_files, read by the main process alone)."""
-    from .integrity import verify_files
-
-    check_position(checkpoint, position, world_size=accelerator.num_processes, **schedule)
-    checked_on_main_process(accelerator, lambda: verify_files(checkpoint, position))
 
 
 def sha256(path: str) -> str:
@@ -320,9 +237,11 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
             raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "
                              "start again to choose among them")
         if overwrite and inside:  # --resume <a checkpoint of it>: only the checkpoints after it go aside
+            from .resume import later_checkpoints, move_aside
+
             move_aside(output_dir, later_checkpoints(output_dir, resume_from))
         elif overwrite and set(os.listdir(output_dir)) - {LOCK}:
-            aside = f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = aside_folder(output_dir)
             try:
                 os.rename(output_dir, aside)  # the lock moves with it, still held, until the new one is taken
             except OSError as e:
@@ -343,20 +262,9 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
     checked_on_main_process(accelerator, claim)
 
 
-def move_aside(output_dir: str, names: list[str]) -> None:
-    """Move the folders `names` of output_dir into <output_dir>.replaced-<time>/ (--overwrite_output_dir)."""
-    if not names:
-        return
-    aside = f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-    try:
-        os.makedirs(aside, exist_ok=True)
-        for name in names:
-            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
-    except OSError as e:
-        raise InputError(f"--overwrite_output_dir: cannot move {', '.join(names)} of {output_dir} aside to {aside} "
-                         f"({e.strerror}); move or delete them yourself") from None
-    print(f"--overwrite_output_dir: moved {', '.join(names)} of {output_dir} aside to {aside} (delete it when you no "
-          "longer need it)")
+def aside_folder(output_dir: str) -> str:
+    """Where --overwrite_output_dir moves what it replaces."""
+    return f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def take_lock(output_dir: str):
@@ -429,80 +337,6 @@ def delete_folder(path: str) -> None:
     except OSError as e:
         raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
                            f"{doomed}, which the next start removes), then continue with --resume latest") from None
-
-
-def load_state(accelerator: Accelerator, optimizer, scheduler, checkpoint: str, output_dir: str,
-               universal: bool) -> None:
-    """Collective: `accelerator.load_state(checkpoint)`, through DeepSpeed's universal checkpoint where ZeRO's
-    partitions change hands (textclf/universal.py); a checkpoint that does not load is one line."""
-    if universal:
-        from .universal import load_universal
-
-        load_universal(accelerator, optimizer, checkpoint, output_dir)
-    else:
-        load_accelerate_state(accelerator, checkpoint)
-    schedule_the_optimizer_that_steps(scheduler, optimizer)
-    replay_cpu_adam_steps(optimizer)  # DeepSpeed's CPU Adam (offload) then steps as if never stopped
-
-
-def innermost_optimizer(optimizer):
-    """The optimizer that updates the weights: under accelerate's wrapper and DeepSpeed's ZeRO optimizer, the one
-    ZeRO steps (DeepSpeedCPUAdam where the launch offloads the optimizer)."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def schedule_the_optimizer_that_steps(scheduler, optimizer) -> None:
-    """Point the learning-rate schedule at the optimizer that steps, after a load.
-
-    Under offload_optimizer, accelerate swaps DeepSpeedCPUAdam in for the optimizer train.py built, and the two
-    share their param group dicts, which is how the schedule (built on train.py's optimizer) reaches the one that
-    steps. Loading a checkpoint replaces the stepping optimizer's group dicts (torch's load_state_dict makes new
-    ones), so the schedule would go on setting learning rates that nothing reads, and training would go on at the
-    checkpoint's rate.
-    """
-    schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, then torch's LambdaLR
-    stepping = innermost_optimizer(optimizer)
-    if schedule.optimizer is not stepping:
-        schedule.optimizer = stepping
-
-
-def load_accelerate_state(accelerator: Accelerator, folder: str, checkpoint: Optional[str] = None) -> None:
-    """`accelerator.load_state(folder)` (the files of `checkpoint`), a pickle it refuses as one line."""
-    try:
-        accelerator.load_state(folder)
-    except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
-        raise InputError(f"cannot load checkpoint {checkpoint or folder}: {str(e).splitlines()[0]}") from None
-    # load_state also restores accelerate's micro-batch counter, which decides where gradients sync; it counts in
-    # the saved accumulation, and a checkpoint always sits where they synced: zero, in any accumulation's units.
-    accelerator.step = 0
-
-
-def replay_cpu_adam_steps(optimizer) -> None:
-    """Bring DeepSpeed's CPU Adam (the offload files' optimizer) to the resumed step the way it got there.
-
-    Its C++ side keeps Adam's bias corrections beta^t as a running product, multiplied by beta at each step, and
-    computes them as pow(beta, t) when a step does not follow the last one it saw (csrc/includes/cpu_adam.h,
-    IncrementStep): a resumed run's first step. The two differ in their last bits, and so would every weight after.
-    Its steps up to the checkpoint's are replayed here on a one-element tensor of its own, which builds the same
-    running product; the model's weights and states are not touched. Other optimizers keep no such state.
-    """
-    import torch
-
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError:
-        return
-    optimizer = innermost_optimizer(optimizer)
-    if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.state:
-        return
-    steps = max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
-    group = optimizer.param_groups[0]
-    scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient and Adam's two moments
-    for step in range(1, steps + 1):
-        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], *group["betas"], group["eps"],
-                                          group["weight_decay"], group["bias_correction"], *scratch)
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:

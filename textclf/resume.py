@@ -1,59 +1,47 @@
-"""Resume, decided in one place: planned once from the checkpoint before the Accelerator exists, restored once
-after `accelerator.prepare`, each key of the checkpoint's record handled as RESUME_TABLE says.
+"""Resume, decided in one place, and imported only when a run continues a checkpoint (textclf/start.py finds it):
+planned once before the Accelerator exists, restored once after `accelerator.prepare`, each key of the
+checkpoint's record handled as RESUME_TABLE says.
 
-`plan_resume` runs before torch is imported (train.py calls it right after the command line), so a resume that this
-launch cannot continue is refused in a fraction of a second. It finds the checkpoint `--resume` names, lays the
-config the checkpoint was made with under the command line's, refuses what would make it another run, and works
-out what the checkpoint needs of this launch: the gradient accumulation that keeps its global batch, its loop
-position counted in this launch's batches, and whether ZeRO's states go through a universal checkpoint.
-
-`restore` (collective) checks the checkpoint against the run that was built (launch, data, model, schedule,
-every file as saved) and loads it. A fresh run passes through both unchanged.
+`plan_resume` runs before torch is imported, so a resume that this launch cannot continue is refused in a fraction
+of a second. It lays the config the checkpoint was made with under the command line's, refuses what would make it
+another run, and works out what the checkpoint needs of this launch: the gradient accumulation that keeps its
+global batch, its loop position counted in this launch's batches, and whether ZeRO's states go through a universal
+checkpoint. `restore` (collective) checks the checkpoint against the run that was built (launch, data, model,
+schedule, every file as saved) and loads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import pickle
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from . import checkpoint
-from .checkpoint import FSDP_SHARDED, WINDOW_KEYS
+from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, step_folders
 from .config import RESUME_MAY_CHANGE, TrainConfig, field_names, parse_config
-from .errors import InputError, say
+from .errors import InputError, checked_on_main_process, say
 from .launch import this_launch
+from .start import FRESH, SPLIT, Start, find_checkpoint
 
 if TYPE_CHECKING:  # torch and accelerate are loaded after plan_resume has run
     from accelerate import Accelerator
 
-FRESH = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
-SPLIT = ("per_device_train_batch_size", "gradient_accumulation_steps")  # how a launch splits the global batch
+# What a run stores of its loss window, per rank (tracking.Window.state).
+WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
+               "padded_tokens": (int,)}
 
 
-@dataclass(frozen=True)
-class Resume:
-    """Where a run starts: a fresh run (checkpoint None), or the checkpoint it continues."""
-
-    checkpoint: Optional[str] = None
-    position: dict = dataclasses.field(default_factory=lambda: dict(FRESH))
-    """The loop position (and the loss window, the best evaluation), counted in this launch's batches."""
-    universal: bool = False
-    """ZeRO's states were partitioned over another number of processes: they load through DeepSpeed's universal
-    checkpoint, which the Accelerator is told before prepare."""
-    asked_split: dict = dataclasses.field(default_factory=dict)
-    """The micro-batch and accumulation the run asked for, which its checkpoints record: a launch of another size
-    splits the global batch otherwise, and the same command then resumes them again on any number of processes."""
-
-
-def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[TrainConfig, Resume]:
-    """The config this run trains with, and where it starts. `argv`: the command line that made `cfg`, parsed
-    again over the checkpoint's config (what it does not set comes from the checkpoint); without it, `cfg` (a
-    config built in code) is taken as it is and must agree with the checkpoint."""
-    path, position, cfg = resolve(cfg, argv)
+def plan_resume(cfg: TrainConfig, argv: Optional[list[str]], path: str) -> tuple[TrainConfig, Start]:
+    """The config a run resuming `path` trains with, and where it starts. `argv`: the command line that made `cfg`,
+    parsed again over the checkpoint's config (what it does not set comes from the checkpoint); without it, `cfg`
+    (a config built in code) is taken as it is and must agree with the checkpoint."""
+    position, cfg = config_for(cfg, argv, path)
     asked = {key: getattr(cfg, key) for key in SPLIT}
-    if path is None:
-        return cfg, Resume(asked_split=asked)
     launch = this_launch(cfg.mixed_precision)
     world_size = launch["num_processes"]
     split = batch_split(path, position, world_size)  # first: it refuses a checkpoint older than the launch's record
@@ -64,7 +52,7 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Tra
     if rescaled:
         say(rescaled)
     cfg = dataclasses.replace(cfg, **split)
-    return cfg, Resume(
+    return cfg, Start(
         checkpoint=path, asked_split=asked,
         position=on_this_launch(position, world_size, cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size),
         universal=needs_universal(path, position, world_size, cfg.load_best_model_at_end))
@@ -72,20 +60,79 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Tra
 
 def resolve(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Optional[str], dict, TrainConfig]:
     """The checkpoint that --resume names (None: a fresh run), its position as saved, and the config the run
-    trains with (plan_resume's `argv`)."""
-    # The folder the run goes on in: the one given, or (for a step_<N> path) the checkpoint's own.
-    output_dir = cfg.output_dir
-    if cfg.resume not in (None, "latest", "auto") and output_dir == TrainConfig.output_dir:
-        output_dir = os.path.dirname(os.path.normpath(cfg.resume)) or "."
-    path = checkpoint.find_resume_checkpoint(cfg.resume, output_dir, cfg.overwrite_output_dir)
+    trains with (for the check command, which resumes as train.py does)."""
+    path = find_checkpoint(cfg)
     if path is None:
         return None, dict(FRESH), cfg
+    return (path, *config_for(cfg, argv, path))
+
+
+def config_for(cfg: TrainConfig, argv: Optional[list[str]], path: str) -> tuple[dict, TrainConfig]:
+    """The checkpoint's position as saved, and the config a run resuming it trains with (plan_resume's `argv`)."""
     position = checkpoint.read_verified_position(path)
     made_with = config_of(path, position)
     if made_with is not None and argv is not None:
         cfg = parse_config(argv, under=made_with)
     check_against(path, position, {"config": cfg.to_dict()})
-    return path, position, cfg
+    return position, cfg
+
+def named_checkpoint(resume: str, output_dir: str, overwrite: bool, existing: list[tuple[int, str]]) -> str:
+    """The checkpoint --resume latest or --resume <path> names (checkpoint.choose_checkpoint; `existing`: the complete
+    checkpoints of output_dir)."""
+    if resume == "latest":
+        newer = without_position(output_dir, existing[-1][0] if existing else -1)
+        if not existing:
+            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}"
+                             + (f" ({', '.join(newer)} without {POSITION})" if newer else "")
+                             + "; drop --resume to start a fresh run")
+        return existing[-1][1]
+    later = later_checkpoints(output_dir, resume)
+    if later and not overwrite:
+        raise InputError(f"--resume {resume}: {output_dir} holds checkpoints after it ({', '.join(later)}), which "
+                         "this run would write over; pass --overwrite_output_dir to move them aside, or "
+                         "--output_dir <another folder> to keep both runs")
+    return resume
+
+
+def warn_of_lost_positions(output_dir: str, latest: str) -> None:
+    """--resume latest passes over newer step_<N> folders without position.json: say so, once, on the main process."""
+    newer = without_position(output_dir, int(STEP_DIR.match(os.path.basename(latest))[1]))
+    if newer and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
+              f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
+              f"{latest}", file=sys.stderr)
+
+
+def later_checkpoints(output_dir: str, checkpoint: str) -> list[str]:
+    """The step_<N> folders of output_dir after `checkpoint` (by its step_<N> name), oldest first: a run resumed
+    from it saves at their steps again."""
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(checkpoint)))
+    if not match:
+        return []
+    return [os.path.basename(path) for step, path in step_folders(output_dir) if step > int(match.group(1))]
+
+
+def without_position(output_dir: str, newer_than: int) -> list[str]:
+    """The step_<N> folders above step `newer_than` that have no position.json, oldest first: a save never
+    leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
+    return [os.path.basename(path) for step, path in step_folders(output_dir)
+            if step > newer_than and not os.path.isfile(os.path.join(path, POSITION))]
+
+
+def move_aside(output_dir: str, names: list[str]) -> None:
+    """Move the folders `names` of output_dir into <output_dir>.replaced-<time>/ (--overwrite_output_dir)."""
+    if not names:
+        return
+    aside = checkpoint.aside_folder(output_dir)
+    try:
+        os.makedirs(aside, exist_ok=True)
+        for name in names:
+            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise InputError(f"--overwrite_output_dir: cannot move {', '.join(names)} of {output_dir} aside to {aside} "
+                         f"({e.strerror}); move or delete them yourself") from None
+    print(f"--overwrite_output_dir: moved {', '.join(names)} of {output_dir} aside to {aside} (delete it when you no "
+          "longer need it)")
 
 
 def config_of(path: str, position: dict) -> Optional[dict]:
@@ -106,16 +153,12 @@ def config_of(path: str, position: dict) -> Optional[dict]:
             "overwrite_output_dir": False}
 
 
-def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg: TrainConfig, built: dict,
+def restore(accelerator: Accelerator, optimizer, scheduler, start: Start, cfg: TrainConfig, built: dict,
             **schedule) -> dict:
-    """Collective, after prepare: check the checkpoint against the run that was built (`built`: its record of launch,
-    data and model; the schedule: total_steps, steps_per_epoch, batches_per_epoch) and every file against its
-    record; take the output folder (checkpoint.claim_output_dir: nothing is written before it, nothing refused after
-    it); load the checkpoint. Returns the position the loop starts from; a fresh run's is step 0."""
-    if resume.checkpoint is None:
-        checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, None)
-        return resume.position
-    path, position = resume.checkpoint, resume.position
+    """Collective, after prepare: check the checkpoint against the run that was built (`built`: start.record's keys;
+    the schedule: total_steps, steps_per_epoch, batches_per_epoch) and every file against its record; take the
+    output folder (nothing is refused after it); load the checkpoint. Returns the position the loop starts from."""
+    path, position = start.checkpoint, start.position
     check_against(path, position, built)
     refuse_pickle_unless_allowed(path, position, cfg.allow_pickle)
     best = position.get("best")
@@ -123,16 +166,136 @@ def restore(accelerator: Accelerator, optimizer, scheduler, resume: Resume, cfg:
         from .cadence import find_best_checkpoint
 
         find_best_checkpoint(best, cfg.output_dir)  # not at the end: the run could not export it
-    checkpoint.check_resume(accelerator, path, position, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                            **schedule)
+    check_resume(accelerator, path, position, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                 **schedule)
     if position["step"] == schedule["total_steps"]:
         accelerator.print(f"{path} is the end of this run (step {position['step']}): nothing left to train; "
                           "evaluating and exporting it again. To train longer, pass a larger --max_steps or "
                           "--num_train_epochs")
     checkpoint.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, path)
-    checkpoint.load_state(accelerator, optimizer, scheduler, path, cfg.output_dir, resume.universal)
+    load_state(accelerator, optimizer, scheduler, path, cfg.output_dir, start.universal)
     accelerator.print(f"resumed from {path} at optimizer step {position['step']}")
     return position
+
+
+def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_per_epoch: int,
+                   batches_per_epoch: int, gradient_accumulation_steps: int, world_size: int) -> None:
+    """The loop position must be one this run's schedule passes through: one line per violation.
+
+    Within an epoch the optimizer steps after every `gradient_accumulation_steps` batches and after the
+    epoch's last one, so a checkpoint taken after `batch_in_epoch` batches of epoch `epoch` is at step
+    epoch * steps_per_epoch + ceil(batch_in_epoch / gradient_accumulation_steps).
+    """
+    problems = []
+    for key in ("step", "epoch", "batch_in_epoch"):
+        value = position.get(key)
+        if type(value) is not int or value < 0:  # bool is an int to Python, not to a loop position
+            problems.append(f"{key} is {json.dumps(value)}, expected a whole number >= 0")
+    if not problems:
+        step, epoch, batch = position["step"], position["epoch"], position["batch_in_epoch"]
+        if step > total_steps:
+            problems.append(f"step is {step}, past the end of this run at step {total_steps} "
+                            "(--max_steps, or --num_train_epochs)")
+        if not 1 <= batch <= batches_per_epoch:
+            problems.append(f"batch_in_epoch is {batch}, outside this run's epoch of {batches_per_epoch} "
+                            "batches per process")
+        elif step != epoch * steps_per_epoch + math.ceil(batch / gradient_accumulation_steps):
+            problems.append(f"step {step} is not where epoch {epoch}, batch {batch} of this run's schedule "
+                            f"({steps_per_epoch} optimizer steps per epoch) is")
+    windows = position.get("loss_window")
+    if "loss_window" not in position:
+        problems.append("it has no loss_window (written by an older textclf)")
+    elif not (isinstance(windows, list) and len(windows) == world_size and all(
+            isinstance(w, dict) and all(type(w.get(key)) in types for key, types in WINDOW_KEYS.items())
+            for w in windows)):
+        problems.append(f"loss_window is not one loss window ({', '.join(WINDOW_KEYS)}) per process "
+                        f"({world_size})")
+    if problems:
+        raise InputError("\n".join(f"cannot resume from {checkpoint}: {POSITION}: {problem}; resume from another "
+                                   "checkpoint" for problem in problems))
+
+
+def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **schedule) -> None:
+    """Before any step runs (collective): the position is one this run's schedule passes through
+    (check_position), and every file is the one saved (verify_files, read by the main process alone)."""
+    from .integrity import verify_files
+
+    check_position(checkpoint, position, world_size=accelerator.num_processes, **schedule)
+    checked_on_main_process(accelerator, lambda: verify_files(checkpoint, position))
+
+
+def load_state(accelerator: Accelerator, optimizer, scheduler, checkpoint: str, output_dir: str,
+               universal: bool) -> None:
+    """Collective: `accelerator.load_state(checkpoint)`, through DeepSpeed's universal checkpoint where ZeRO's
+    partitions change hands (textclf/universal.py); a checkpoint that does not load is one line."""
+    if universal:
+        from .universal import load_universal
+
+        load_universal(accelerator, optimizer, checkpoint, output_dir)
+    else:
+        load_accelerate_state(accelerator, checkpoint)
+    schedule_the_optimizer_that_steps(scheduler, optimizer)
+    replay_cpu_adam_steps(optimizer)  # DeepSpeed's CPU Adam (offload) then steps as if never stopped
+
+
+def innermost_optimizer(optimizer):
+    """The optimizer that updates the weights: under accelerate's wrapper and DeepSpeed's ZeRO optimizer, the one
+    ZeRO steps (DeepSpeedCPUAdam where the launch offloads the optimizer)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def schedule_the_optimizer_that_steps(scheduler, optimizer) -> None:
+    """Point the learning-rate schedule at the optimizer that steps, after a load.
+
+    Under offload_optimizer, accelerate swaps DeepSpeedCPUAdam in for the optimizer train.py built, and the two
+    share their param group dicts, which is how the schedule (built on train.py's optimizer) reaches the one that
+    steps. Loading a checkpoint replaces the stepping optimizer's group dicts (torch's load_state_dict makes new
+    ones), so the schedule would go on setting learning rates that nothing reads, and training would go on at the
+    checkpoint's rate.
+    """
+    schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, then torch's LambdaLR
+    stepping = innermost_optimizer(optimizer)
+    if schedule.optimizer is not stepping:
+        schedule.optimizer = stepping
+
+
+def load_accelerate_state(accelerator: Accelerator, folder: str, checkpoint: Optional[str] = None) -> None:
+    """`accelerator.load_state(folder)` (the files of `checkpoint`), a pickle it refuses as one line."""
+    try:
+        accelerator.load_state(folder)
+    except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
+        raise InputError(f"cannot load checkpoint {checkpoint or folder}: {str(e).splitlines()[0]}") from None
+    # load_state also restores accelerate's micro-batch counter, which decides where gradients sync; it counts in
+    # the saved accumulation, and a checkpoint always sits where they synced: zero, in any accumulation's units.
+    accelerator.step = 0
+
+
+def replay_cpu_adam_steps(optimizer) -> None:
+    """Bring DeepSpeed's CPU Adam (the offload files' optimizer) to the resumed step the way it got there.
+
+    Its C++ side keeps Adam's bias corrections beta^t as a running product, multiplied by beta at each step, and
+    computes them as pow(beta, t) when a step does not follow the last one it saw (csrc/includes/cpu_adam.h,
+    IncrementStep): a resumed run's first step. The two differ in their last bits, and so would every weight after.
+    Its steps up to the checkpoint's are replayed here on a one-element tensor of its own, which builds the same
+    running product; the model's weights and states are not touched. Other optimizers keep no such state.
+    """
+    import torch
+
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return
+    optimizer = innermost_optimizer(optimizer)
+    if not isinstance(optimizer, DeepSpeedCPUAdam) or not optimizer.state:
+        return
+    steps = max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
+    group = optimizer.param_groups[0]
+    scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient and Adam's two moments
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], *group["betas"], group["eps"],
+                                          group["weight_decay"], group["bias_correction"], *scratch)
 
 
 # What a resume does with each key a checkpoint records (position.json) when this run's value differs. check_against
@@ -167,15 +330,6 @@ RESUME_TABLE = {
     "lora": OnResume(MATCH, "lora", BUILT),
     "data_fingerprint": OnResume(MATCH, "training data", BUILT),
 }
-
-
-def record(cfg: TrainConfig, run: dict, data_fingerprint: str) -> dict:
-    """This run's value of each key of RESUME_TABLE but its config, which a checkpoint records beside it: from the
-    launch (`run`, as runtime.describe says it), the training data, or the config."""
-    known = {"world_size": run["num_processes"], "zero_stage": run["zero_stage"],
-             "mixed_precision": run["mixed_precision"], "data_fingerprint": data_fingerprint,
-             "global_batch_size": run["global_batch_size"]}
-    return {key: known[key] if key in known else getattr(cfg, key) for key in RESUME_TABLE if key != "config"}
 
 
 def check_against(path: str, position: dict, this: dict) -> Optional[str]:

@@ -3,7 +3,7 @@
 ZeRO partitions its optimizer states (and, at stage 3, the weights) over the processes that saved them.
 DeepSpeed's ds_to_universal converts them to one file per parameter and state, which any number of processes
 loads with `"checkpoint": {"load_universal": true}` (runtime.make_accelerator sets it). Imported only by such a
-resume (checkpoint.load_state).
+resume (resume.load_state).
 """
 
 import contextlib
@@ -16,8 +16,9 @@ import torch
 from accelerate import Accelerator
 
 from . import files
-from .checkpoint import UNIVERSAL, load_accelerate_state
+from .checkpoint import UNIVERSAL
 from .errors import WRITE_ERRORS, InputError, checked_on_main_process, verbose, write_failed
+from .resume import load_accelerate_state
 
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
 
