@@ -183,12 +183,10 @@ def weight_files(folder: str) -> list[str]:
 
 
 def base_weight_files(folder: str) -> list[str]:
-    """The model's own safetensors files, without a LoRA adapter's."""
     return [path for path in weight_files(folder) if os.path.basename(path) != ADAPTER_WEIGHTS]
 
 
 def require_model_files(folder: str) -> None:
-    """A model folder needs its config and its weights; say which one is missing."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise InputError(f"{folder} is not a complete model folder: it has no config.json")
     if not base_weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
