@@ -25,7 +25,8 @@ from textclf.config import TrainConfig
 from textclf.data import EpochLengthGroupedSampler, load_table, select_columns
 from textclf.errors import InputError
 from textclf.job import build_job
-from textclf.modeling import apply_lora, parameter_counts
+from textclf.lora import apply_lora
+from textclf.modeling import parameter_counts
 from textclf.task import Task
 from textclf.theory import OFFLOADED_BY, model_state_bytes, training_flops_per_token
 

@@ -34,7 +34,8 @@ from textclf import check
 from textclf.config import parse_config
 from textclf.errors import InputError
 from textclf.loading import load_trained
-from textclf.modeling import apply_lora, get_tokenizer, make_model, model_config, parameter_groups, training_config
+from textclf.lora import apply_lora
+from textclf.modeling import get_tokenizer, make_model, model_config, parameter_groups, training_config
 from textclf.predict import predict_logits
 from textclf.task import Task
 
@@ -157,7 +158,7 @@ def test_weights_load_in_the_dtype_asked_for(family_model):
 def test_gradient_checkpointing_gives_lora_the_same_gradients(family_model):
     """Non-reentrant checkpointing: the adapters behind a frozen embedding still get gradients, the same ones."""
     llama_model = family_model("llama")
-    from textclf.modeling import apply_lora
+    from textclf.lora import apply_lora
 
     tokenizer = get_tokenizer(str(llama_model), None, "unused", "unused", 32)
     batch = tokenizer(PROBE_TEXTS, padding=True, return_tensors="pt")

@@ -15,7 +15,8 @@ from conftest import OFFLINE, REPO, TINY, read_csv, train_forked, write_csv
 from textclf.config import parse_config
 from textclf.data import sample_key, text_sample, tokenizing_processes
 from textclf.errors import InputError
-from textclf.job import build_job, load_data, waiting
+from textclf.job import build_job, load_data
+from textclf.waiting import waiting
 
 
 def texts_of(batches) -> list[str]:

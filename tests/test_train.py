@@ -123,6 +123,10 @@ ONLY_WHEN_NEEDED = {
     "textclf.deepspeed_ops": "DeepSpeed's C++ ops, compiled at first use",
     "textclf.data_errors": "why a data file could not be read (encodings, delimiters, JSON)",
     "textclf.ranks": "what the other ranks of a launch do when one fails",
+    "textclf.pretrained": "a pretrained model's config, tokenizer and load report (--model a hub id or folder)",
+    "textclf.lora": "LoRA's adapters, and a LoRA model folder written and read",
+    "textclf.layer_options": "--torch_compile's blocks (by default on a GPU) and --gradient_checkpointing",
+    "textclf.waiting": "what the other ranks say while the local main process prepares the data",
 }
 
 

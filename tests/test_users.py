@@ -627,7 +627,8 @@ def pretrained_backbone(tmp_path_factory):
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
         pretrained_backbone, capfd, caplog, monkeypatch, verbose):
-    from textclf.modeling import apply_lora, make_model, training_config
+    from textclf.lora import apply_lora
+    from textclf.modeling import make_model, training_config
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")

@@ -1,15 +1,6 @@
-"""The exported model folder: how train.py writes it at the end of a run (export_model), how every export is
-verified before it takes its place (save_verified), and how it is read back (load_folder).
-
-The folder is a Hugging Face model folder: safetensors weights, a config with the task (`problem_type`,
-id2label), the tokenizer, and training.json (the config of the run: task and columns, for predict and
-report). With LoRA it holds the base model (config.json, model.safetensors) and, beside it, the adapter
-with the trained head (adapter_config.json, adapter_model.safetensors): transformers and `pipeline` load
-such a folder as that base plus that adapter, from any working directory and wherever the folder is moved,
-offline; a scratch base exists nowhere else. (`base_model_name_or_path` in adapter_config.json names the
-folder as export wrote it, for peft's loaders, which load the base from that name; transformers does not
-follow it for a folder that holds its own config.json.)
-"""
+"""The exported model folder: written at the end of a run (export_model), verified before it takes its place
+(save_verified), read back (load_folder). A Hugging Face model folder: safetensors weights, a config with the task
+(`problem_type`, id2label), the tokenizer, and TRAINING (LoRA's folder: lora.py)."""
 
 import contextlib
 import glob
@@ -20,8 +11,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
@@ -33,8 +23,8 @@ from .modeling import load_refused, lora_settings, make_model, refuse_custom_cod
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The resolved config of the run that trained the model and its data fingerprint, so that predict and report
-# know the task and columns (a checkpoint's position.json holds the same).
+# The config of the run that trained the model and its data fingerprint: the task and columns predict and report
+# default to (a checkpoint's position.json holds the same).
 TRAINING = "training.json"
 # Texts of several lengths and scripts, so that padding and truncation are part of the check.
 PROBE_TEXTS = [
@@ -55,17 +45,14 @@ def export_model(accelerator: Accelerator, model, tokenizer, target: str, traini
     """Export the model being trained, with `training` (the run's config and data fingerprint) in TRAINING.
     Collective: every rank calls it (ZeRO-3 gathers the shards).
 
-    `accelerator.get_state_dict` returns full weights whatever the strategy; plain
-    `unwrap_model(model).save_pretrained` would write empty tensors under ZeRO-3 (LoRA adapters
-    too), and `accelerator.save_model` writes no config.json. The main process loads them into a
-    fresh CPU copy of the model (make_model) and saves that: under ZeRO-3 no rank holds the whole
-    trained model to predict with, and the verification compares the written folder's predictions with
-    the copy's. `save_pretrained(state_dict=...)` of the live model would write, but leave nothing to verify
-    against (and a LoRA folder's base is the copy's, unloaded).
+    `accelerator.get_state_dict` gives full weights whatever the strategy (`unwrap_model(model).save_pretrained`
+    would write empty tensors under ZeRO-3; `accelerator.save_model` writes no config.json). The main process
+    saves a fresh CPU copy holding them, built as build_job built the model: under ZeRO-3 no rank holds the whole
+    model to predict with, the verification compares the written folder's predictions with the copy's, and
+    save_verified uses the copy up (LoRA unloaded in place).
     """
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        # Built as build_job built the trained model (its LoRA settings from the run's config).
         with transformers_without_zero3(accelerator):
             copy = make_model(accelerator.unwrap_model(model).config, state_dict,
                               lora=lora_settings(training["config"]), trust_remote_code=trust_remote_code)
@@ -77,8 +64,8 @@ def export_model(accelerator: Accelerator, model, tokenizer, target: str, traini
 
 @contextmanager
 def transformers_without_zero3(accelerator: Accelerator):
-    """Under ZeRO-3, transformers builds and loads every model partitioned over the ranks, which takes
-    all of them; the export copy lives on the main process alone, so that is switched off meanwhile."""
+    """Under ZeRO-3 transformers builds every model partitioned over all the ranks; the export's copy lives on the
+    main process alone."""
     from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
     if not is_deepspeed_zero3_enabled():
@@ -93,13 +80,10 @@ def transformers_without_zero3(accelerator: Accelerator):
 
 def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwrite: bool = False,
                   training: Optional[dict] = None, trust_remote_code: bool = False) -> str:
-    """Write `model` (plain or LoRA, full weights, on CPU), its tokenizer and `training` (TRAINING: the task
-    and columns predict and report default to) to `target`, verified.
-
-    The folder is written beside the target and checked before it takes the target's place: every
-    tensor is non-empty, it loads the way predict and report load models, and its logits on
-    PROBE_TEXTS equal the trained model's. `model` is used up: LoRA is merged or unloaded in place.
-    """
+    """Write `model` (plain or LoRA, full weights, on CPU), its tokenizer and `training` (TRAINING) to `target`,
+    verified: written beside it, the folder takes its place once every tensor is non-empty, it loads as predict
+    and report load models, and its logits on PROBE_TEXTS equal the model's. `model` is used up: LoRA is merged
+    or unloaded in place."""
     from peft import PeftModel
 
     refuse_existing(target, overwrite)
@@ -110,11 +94,9 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
         try:
             files.new_folder(tmp)  # what an export that was killed left is removed, a link is not followed
             if isinstance(model, PeftModel) and not merge:
-                name_base(model, os.path.abspath(target))
-                # adapter_config.json, adapter_model.safetensors: the adapters and the head. No embedding layers:
-                # LoRA leaves the vocabulary as it was ("auto" would look for the base at its name, not written yet).
-                model.save_pretrained(tmp, save_embedding_layers=False)
-                model.unload().save_pretrained(tmp)  # beside them the base they apply to (the module's docstring)
+                from .lora import save_adapter
+
+                save_adapter(model, tmp, os.path.abspath(target))
             else:
                 if isinstance(model, PeftModel):
                     model = model.merge_and_unload()  # W + BA: a plain model of the base architecture
@@ -142,21 +124,6 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
         with contextlib.suppress(OSError):
             files.remove(tmp)  # already gone when it became the target
     return target
-
-
-def name_base(model, folder: str) -> None:
-    """Name `folder` (the export's target, which holds the base beside the adapter) as the adapter's base, in
-    adapter_config.json and in the model card peft writes.
-
-    peft's loaders (AutoPeftModel*.from_pretrained, and whoever reads the name to load the base for
-    PeftModel.from_pretrained) load the base from that name alone. The base the run started from would not do:
-    its head has its own number of labels, a decoder's config has no pad token, and a scratch base or a
-    step_<N> checkpoint (whose weights are wrapped) is nowhere to load from. The folder itself holds the
-    base with the trained config; transformers and `pipeline` read it there whatever the name says.
-    """
-    for config in model.peft_config.values():
-        config.base_model_name_or_path = folder
-    model.get_base_model().config._name_or_path = folder  # what peft's model card names as the base
 
 
 def refuse_existing(target: str, overwrite: bool) -> None:
@@ -201,21 +168,13 @@ def load_folder(folder: str, trust_remote_code: bool = False):
         raise load_refused(folder, e, f"cannot load a model from {folder}") from None
     refuse_custom_code(folder, getattr(config, "auto_map", None), trust_remote_code)
     if lora:
-        # The base alone, from its own files: from_pretrained(folder) would add the adapter beside it,
-        # and peft's PeftModel (which export merges) must add it instead.
-        model = make_model(config, read_weights(folder, base_weight_files(folder)), lora=folder, source=folder,
+        from .lora import base_weights
+
+        model = make_model(config, base_weights(folder), lora=folder, source=folder,
                            trust_remote_code=trust_remote_code)
     else:
         model = make_model(config, folder, complete=True, trust_remote_code=trust_remote_code)
     return model.eval(), load_tokenizer(folder, trust_remote_code)
-
-
-def read_weights(folder: str, files: list[str]) -> dict:
-    try:
-        return {name: tensor for path in files for name, tensor in load_file(path).items()}
-    except SafetensorError as e:
-        raise InputError(f"cannot load a model from {folder}: a weights file is damaged or incomplete "
-                         f"({str(e).splitlines()[0]}); export it again") from None
 
 
 def weight_files(folder: str) -> list[str]:
@@ -224,12 +183,10 @@ def weight_files(folder: str) -> list[str]:
 
 
 def base_weight_files(folder: str) -> list[str]:
-    """The model's own safetensors files, without a LoRA adapter's."""
     return [path for path in weight_files(folder) if os.path.basename(path) != ADAPTER_WEIGHTS]
 
 
 def require_model_files(folder: str) -> None:
-    """A model folder needs its config and its weights; say which one is missing."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise InputError(f"{folder} is not a complete model folder: it has no config.json")
     if not base_weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
@@ -247,12 +204,9 @@ def load_tokenizer(folder: str, trust_remote_code: bool = False):
 
 def predict_logits(model, tokenizer, texts: list[str], pairs: Optional[list[str]] = None, *, batch_size: int = 64,
                    accelerator: Optional[Accelerator] = None, progress: bool = False) -> torch.Tensor:
-    """Logits for `texts` (each with its pair from `pairs`), row i for text i: on one process, or shared out
-    among `accelerator`'s.
-
-    Every process gets the whole result. Under several processes accelerate pads the last batches
-    with repeated rows so that all processes run the same number; `gather_for_metrics` drops them.
-    """
+    """Logits for `texts` (each with its pair from `pairs`), row i for text i, on one process or shared out among
+    `accelerator`'s; every process gets them all (`gather_for_metrics` drops the rows accelerate repeats to give
+    every process as many batches)."""
     max_length = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", float("inf")))
     columns = {"text": list(texts), **({"text_pair": list(pairs)} if pairs is not None else {})}
     table = tokenize(Dataset.from_dict({**columns, "index": list(range(len(texts)))}), tokenizer, max_length)

@@ -76,7 +76,7 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
     """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
     applied to `model` in place before `accelerator.prepare`; what was applied, for run.json.
 
-    The repeated blocks are compiled in place (modeling.compile_blocks, `nn.Module.compile`): the modules and their
+    The repeated blocks are compiled in place (layer_options.compile_blocks, `nn.Module.compile`): the modules and their
     state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
     Shapes are static, each batch length padded up to one of at most 8 buckets (padding_multiple): each shape's
     kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit
@@ -95,7 +95,7 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
         apply_liger_kernel(model, None)
     if settings["torch_compile"]:
-        from .modeling import compile_blocks
+        from .layer_options import compile_blocks
 
         # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
         # limit of 8 would run the rest eagerly, differently from a run that met them in another order.

@@ -1,8 +1,7 @@
-"""What a task is: one class per kind (--task: SingleLabel, MultiLabel, Regression; --text_pair_column makes
-pairs of any), asked by data, training, predict, report and the check. A kind owns its labels, its head
-(`problem_type`: the model computes the right loss itself, as under the Trainer, and `pipeline` applies
-softmax, sigmoid or none), its predictions, scores and their direction, its baseline and its report.
-docs/tasks.md shows how to add one. Nothing heavy is imported at the top: the command lines read KINDS.
+"""What a task is: one class per kind (--task; --text_pair_column makes pairs of any), which owns its labels, its
+head (`problem_type`: the model computes the loss itself, as under the Trainer, and `pipeline` applies softmax,
+sigmoid or none), predictions, scores and their direction, baseline and report (docs/tasks.md adds one).
+Nothing heavy is imported at the top: the command lines read KINDS.
 """
 
 import json
@@ -16,12 +15,9 @@ from .errors import InputError
 
 @dataclass(frozen=True)
 class Task:
-    """What every kind shares: the columns and options, and what does not depend on the kind.
-
-    A kind (a subclass, named in KINDS) sets the class attributes below and defines label, label_names,
-    encode_labels, cell, strata, predictions, compute_scores, predicted, shown and baseline (see SingleLabel's);
-    it may change check_labels, targets and figures.
-    """
+    """What every kind shares. A kind (a subclass, named in KINDS) sets the class attributes below and defines
+    label, label_names, encode_labels, cell, strata, predictions, compute_scores, predicted, shown and baseline
+    (see SingleLabel's); it may change check_labels, targets and figures."""
 
     text_column: str
     label_column: str
@@ -42,24 +38,24 @@ class Task:
 
     @staticmethod
     def of(kind: str, *columns, **options) -> "Task":
-        """The task of kind `kind` (a key of KINDS): `Task.of("regression", "review", "stars")`."""
+        """`Task.of("regression", "review", "stars")`."""
         return KINDS[kind](*columns, **options)
 
     @classmethod
     def from_config(cls, cfg) -> "Task":
-        """The task of a training config (TrainConfig, or anything with its task fields)."""
+        """The task of a TrainConfig, or of anything with its task fields."""
         return cls.of(cfg.task, cfg.text_column, cfg.label_column, cfg.text_pair_column, cfg.label_separator,
                       cfg.threshold)
 
     @property
     def text_columns(self) -> dict[str, str]:
-        """The file's text columns by the name the tokenizer takes them under: `text`, and `text_pair` for pairs
-        (tokenized as `tokenizer(text, text_pair)`, so the pair's length is what length grouping sees)."""
+        """The file's text columns by the tokenizer's names for them: tokenized as `tokenizer(text, text_pair)`,
+        a pair's length is what length grouping sees."""
         return {"text": self.text_column, **({"text_pair": self.text_pair_column} if self.text_pair_column else {})}
 
     def parse_labels(self, cells: list, path: str, rows: Optional[list[int]] = None) -> list:
-        """The label column's cells as this kind reads them (`label`). Names are trimmed; only an empty cell is
-        missing. `rows` are the cells' row numbers in the file (default 1, 2, ...), for the errors."""
+        """The label column's cells as this kind reads them (`label`); `rows`: their row numbers in the file, for
+        the errors."""
         rows = rows or list(range(1, len(cells) + 1))
         parsed, not_a_number = [], {}
         for row, cell in zip(rows, cells):
@@ -78,7 +74,7 @@ class Task:
         return parsed
 
     def check_labels(self, labels: list, rows: list[int], path: str) -> None:
-        """What the column as a whole must satisfy: here, no missing label."""
+        """What the column as a whole must satisfy."""
         missing = [row for row, label in zip(rows, labels) if label is None]
         if missing:
             raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
@@ -93,7 +89,7 @@ class Task:
         return {name: i for i, name in enumerate(names)}
 
     def head_config(self, label_names: list[str]) -> dict:
-        """What the model's config takes for this task's head: num_labels, id2label, label2id, problem_type."""
+        """What the model's config takes for this task's head."""
         return dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
                     label2id={name: i for i, name in enumerate(label_names)}, problem_type=self.problem_type)
 
@@ -102,7 +98,7 @@ class Task:
         return labels
 
     def greater_is_better(self, metric: str) -> bool:
-        """Whether a higher value of `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
+        """Whether a higher `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
         return {key: higher for key, _, higher in self.scores}[metric.removeprefix("eval_")]
 
     def summary(self, scores: dict, prefix: str = "eval_", separator: str = ", ") -> str:
@@ -110,13 +106,13 @@ class Task:
         return separator.join(f"{title} {format_score(scores[prefix + key])}" for key, title, _ in self.scores)
 
     def prediction_rows(self, texts: list[str], pairs: Optional[list[str]], logits, names: list[str]) -> list[dict]:
-        """One row per example: its text(s), then what the kind predicts (`predicted`)."""
+        """One row per example: its text(s), then what the kind predicts."""
         rows = [{"text": text} if pairs is None else {"text": text, "text_pair": pair}
                 for text, pair in zip(texts, pairs or texts)]
         return [{**row, **fields} for row, fields in zip(rows, self.predicted(logits, names))]
 
     def terminal_line(self, row: dict) -> str:
-        """A prediction row as one line: the prediction (`shown`), then the text (and its pair)."""
+        """A prediction row as one line: the prediction, then the text (and its pair)."""
         return "\t".join([self.shown(row), *(row[column] for column in ("text", "text_pair") if column in row)])
 
     def figures(self, references: list, predictions: list, names: list[str]) -> dict:
@@ -136,7 +132,7 @@ class SingleLabel(Task):
 
     def label(self, cell, row: str):
         """One cell's label, None where missing; `row` ('<file> row <N>') begins the error of a cell that is not
-        one. Here a class: a name (str) or an integer."""
+        one. Here a class: a name or an integer."""
         where = f"{row}: label {cell!r} in column '{self.label_column}'"
         if isinstance(cell, bool):  # true/false cells: two names
             return str(cell)
@@ -165,7 +161,7 @@ class SingleLabel(Task):
                              [(row, label) for row, label in numbers if isinstance(label, str)])
 
     def mixed(self, path: str, kind: str, cells: list, other_kind: str, other_cells: list) -> InputError:
-        """The refusal of a label column that mixes two kinds of label, each given as its [(row, label), ...]."""
+        """The refusal of a label column that mixes two kinds of label, each as its [(row, label), ...]."""
 
         def first(kind, cells):
             (row, label), more = cells[0], len(cells) - 1
@@ -195,8 +191,8 @@ class SingleLabel(Task):
 
     def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
         """(what the held-out split is stratified by, one value per example or None for a random split, how to say
-        so). `names`: the labels' names; `held_out`: how many examples it holds out; `refusal` begins the error
-        when it cannot be. Here the labels: each class needs an example on each side."""
+        so); `refusal` begins the error when it cannot be. Here the labels: each class needs an example on each
+        side."""
         counts = Counter(labels)
         scarce = [str(names[label] if names else label) for label in sorted(counts) if counts[label] < 2]
         if scarce:
@@ -210,8 +206,8 @@ class SingleLabel(Task):
         return logits.argmax(dim=-1)
 
     def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        """The scores by key (`scores`). `names`: every label the model has, which the report averages over;
-        else those that occur. scikit-learn's and SciPy's, as `evaluate`'s metric scripts (on the Hub) call them."""
+        """The scores by key; `names`: every label the model has, which the report averages over, else those that
+        occur. scikit-learn's and SciPy's, as `evaluate`'s metric scripts (on the Hub) call them."""
         from sklearn.metrics import accuracy_score, f1_score
 
         labels = list(range(len(names))) if names else None
@@ -219,8 +215,8 @@ class SingleLabel(Task):
                 "f1": float(f1_score(references, predictions, average="macro", labels=labels, zero_division=0))}
 
     def predicted(self, logits, names: list[str]) -> list[dict]:
-        """Each example's prediction as predict writes it: here `label` (the id), `label_name`, and `prob_<name>`
-        per label (softmax)."""
+        """Each example's prediction as predict writes it: here the label's id and name, and a softmax
+        probability per label."""
         return [{"label": int(p.argmax()), "label_name": names[int(p.argmax())],
                  **{f"prob_{name}": float(value) for name, value in zip(names, p)}} for p in logits.float().softmax(-1)]
 
