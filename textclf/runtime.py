@@ -1,9 +1,7 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
 import contextlib
-import copy
 import io
-import json
 import logging
 import math
 import os
@@ -19,7 +17,7 @@ from accelerate.utils import DistributedType, DynamoBackend
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, exit_now, verbose
-from .launch import read_deepspeed_file, zero_offload
+from .launch import zero_offload
 from .quiet import set_for_the_run
 
 
@@ -36,6 +34,8 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if deepspeed and ds_file != "none":  # before anything is built: DeepSpeed itself reads it only at prepare()
+        from .deepspeed_config import check_deepspeed_config, read_deepspeed_file
+
         check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
     if deepspeed and not has_cuda:
         from .deepspeed_ops import load_deepspeed_ops
@@ -208,31 +208,6 @@ class CompileClock:
         if cls.local_main:
             print(f"torch.compile: the model's blocks compiled in {cls.seconds:.1f} s, in the first step "
                   "(--torch_compile false runs without)", flush=True)
-
-
-def check_deepspeed_config(config: dict, place: str) -> None:
-    """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
-    not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
-
-    DeepSpeed's own parsing of every section does the checking, with the "auto" values that accelerate fills
-    in at prepare() left out as DeepSpeed leaves them out.
-    """
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from pydantic import ValidationError
-
-    # DeepSpeedConfig's __init__ parses the sections (its private _initialize_params), then does batch-size
-    # arithmetic that needs the process group and the values accelerate has not filled in yet: only the first
-    # part runs here (test_oneline's DeepSpeed JSON tests fail if it changes).
-    parsed = object.__new__(DeepSpeedConfig)
-    try:
-        parsed._initialize_params(copy.deepcopy(config))
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(map(str, first["loc"]))
-        got = f" (got {json.dumps(first['input'], default=str)})" if first["type"] != "extra_forbidden" else ""
-        raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
-    except (ValueError, TypeError, AssertionError, KeyError) as e:
-        raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:

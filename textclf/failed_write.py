@@ -1,0 +1,61 @@
+"""What a write that failed means, said in one line: imported only once one has (errors.write_failed)."""
+
+import errno
+import os
+import re
+import resource
+import shutil
+import sys
+
+from .errors import PEER_ENDED, InputError, gist, peer_ended
+
+# torch.save's words for a write that failed (its stream writer, PyTorchStreamWriter in inline_container.cc).
+TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed")
+# A file system that refused a write with less free space than this is full: a write that does not fit fills it
+# to its last blocks before it fails.
+FULL_BELOW_BYTES = 2 ** 20
+OUT_OF_MEMORY_ADVICE = ("the disk is not the cause: free memory (a smaller --per_device_train_batch_size or "
+                        "--per_device_eval_batch_size, fewer processes per GPU, or an offload file such as "
+                        "accelerate_configs/zero3_offload.yaml: a ZeRO-3 save gathers the 16-bit weights on each "
+                        "GPU), then run again")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """torch's out-of-memory error (CUDA's, which ZeRO-3 may raise while it gathers the weights to save them), or
+    the words of a library that reports one as a plain RuntimeError."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return isinstance(error, (RuntimeError, MemoryError)) and "out of memory" in str(error).lower()
+
+
+def explain(what: str, path: str, error: Exception, advice: str) -> Exception:
+    """errors.write_failed: its true cause first (out of memory, a peer that ended), a RuntimeError that is not
+    torch.save's failed write returned as it is (a bug keeps its traceback), then what this machine says. torch.save
+    loses the errno: a file system left (nearly) full is named full."""
+    if out_of_memory(error):
+        return InputError(f"cannot {what} {path}: out of memory ({gist(error)}); {OUT_OF_MEMORY_ADVICE}")
+    if peer_ended(error):
+        return InputError(f"cannot {what} {path}: {PEER_ENDED} ({gist(error)}); its own message or the launcher's "
+                          "report says why")
+    if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILED.search(str(error)):
+        return error
+    link = error.filename if isinstance(error, OSError) and error.errno in (errno.ELOOP, errno.EEXIST) else None
+    if isinstance(link, str) and os.path.islink(link):  # textclf/files.py: O_NOFOLLOW, O_EXCL
+        return InputError(f"cannot {what} {path}: {link} is a symbolic link (to {os.readlink(link)}), and a run "
+                          "never writes through one; remove the link (or choose another folder), then run again")
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror else
+              (str(error).strip().splitlines() or [type(error).__name__])[0])
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    facts = f"{free / 2 ** 20:.1f} MiB free on its file system"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        facts += f", files limited to {limit} bytes for this process (ulimit -f)"
+    if not isinstance(error, OSError) and free < FULL_BELOW_BYTES:
+        reason = os.strerror(errno.ENOSPC)
+    elif not isinstance(error, OSError) and limit != resource.RLIM_INFINITY:
+        reason = os.strerror(errno.EFBIG)
+    return InputError(f"cannot {what} {path}: {reason} ({facts}); {advice}")
