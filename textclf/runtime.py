@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import platform
-import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
@@ -74,16 +73,7 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
 
 def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator) -> dict:
     """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
-    applied to `model` in place before `accelerator.prepare`; what was applied, for run.json.
-
-    The repeated blocks are compiled in place (modeling.compile_blocks, `nn.Module.compile`): the modules and their
-    state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
-    Shapes are static, each batch length padded up to one of at most 8 buckets (padding_multiple): each shape's
-    kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit
-    (with dynamic shapes the kernels are tuned to the first length seen). A launch's dynamo settings (backend, mode,
-    fullgraph, dynamic) are taken here, and accelerate's own compile of the whole model, which would rename every
-    weight `_orig_mod.*`, is turned off.
-    """
+    applied to `model` in place before `accelerator.prepare` (textclf/speedups.py); what was applied, for run.json."""
     settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
                              accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
     settings["padding_multiple"] = padding_multiple(cfg, accelerator)
@@ -95,15 +85,9 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
         apply_liger_kernel(model, None)
     if settings["torch_compile"]:
-        from .modeling import compile_blocks
+        from .speedups import compile_model
 
-        # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
-        # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
-        set_for_the_run(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
-        compile_blocks(model, **settings["torch_compile"])
-        # Compiled here, once: prepare() must not compile the whole model again.
-        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
-        CompileClock.start(accelerator.is_local_main_process)
+        compile_model(model, settings["torch_compile"], accelerator)
     return settings
 
 
@@ -112,30 +96,16 @@ def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedTyp
     """{tf32, use_liger_kernel, torch_compile (torch.compile's keywords, or None)} for this run: the flags, with
     auto (None) decided by the hardware, the launch and the model's family. A value the run cannot honour is
     refused."""
-    launched = dynamo_plugin.backend != DynamoBackend.NO
     compile_kwargs = None
     if compiles(cfg, cuda, distributed_type, dynamo_plugin):
-        compile_kwargs = {"backend": "inductor", "dynamic": False}
-        if launched:
-            compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
-                                   if value is not None and key != "disable"})
-        if compile_kwargs["backend"] == "inductor":
-            # No kernel chosen by timing it where the choice changes the numerics: a resumed run compiles its
-            # kernels again and must pick the ones the run it continues picked. torch.compile takes a mode or
-            # options, not both: a mode becomes its options (the way torch.compile's documentation lists them).
-            from torch._inductor import list_mode_options
+        from .speedups import compile_options
 
-            mode = compile_kwargs.pop("mode", None) or "default"
-            compile_kwargs["options"] = {**list_mode_options(mode), "deterministic": True,
-                                         **compile_kwargs.get("options", {})}
-    covered = liger_covers(model_type)
-    liger = cfg.use_liger_kernel
-    if liger is None:
-        liger = cuda and bool(covered)
-    elif liger and not (cuda and covered):
-        why = ("needs a CUDA GPU (Triton kernels)" if not cuda else "needs liger-kernel: pip install -e '.[liger]'"
-               if covered is None else f"liger-kernel has no kernels for model type {model_type}")
-        raise InputError(f"--use_liger_kernel {why}")
+        compile_kwargs = compile_options(dynamo_plugin)
+    liger = False
+    if cfg.use_liger_kernel or (cfg.use_liger_kernel is None and cuda):
+        from .speedups import use_liger
+
+        liger = use_liger(cfg.use_liger_kernel, cuda, model_type)
     return {"tf32": cuda if cfg.tf32 is None else cfg.tf32 and cuda, "use_liger_kernel": liger,
             "torch_compile": compile_kwargs}
 
@@ -158,56 +128,6 @@ def padding_multiple(cfg: TrainConfig, accelerator: Accelerator) -> Optional[int
     if compiles(cfg, accelerator.device.type == "cuda", accelerator.distributed_type, accelerator.state.dynamo_plugin):
         return 8 * math.ceil(cfg.max_length / 64)
     return 8 if accelerator.mixed_precision != "no" else None
-
-
-def liger_covers(model_type: Optional[str]) -> Optional[bool]:
-    """Whether liger-kernel has kernels for this model type; None when liger-kernel is not installed."""
-    try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError:  # not installed, or installed without what it needs (triton)
-        return None
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
-
-
-class CompileClock:
-    """The seconds torch.compile spends compiling in the first step, said once, when that step's optimizer step
-    ends (torch's global optimizer hook).
-
-    Dynamo's compile callbacks (`torch._dynamo.callback_handler`, not in torch.compiler's public API) bracket every
-    compilation: the forward's, and the backward's where it is compiled lazily (a cache hit compiles it at once).
-    """
-
-    seconds, started, local_main, said = 0.0, None, False, None
-
-    @classmethod
-    def start(cls, local_main: bool) -> None:
-        cls.seconds, cls.started, cls.local_main = 0.0, None, local_main
-        handler = torch._dynamo.callback_handler
-        if cls.on_start not in handler.start_callbacks:
-            handler.register_start_callback(cls.on_start)
-            handler.register_end_callback(cls.on_end)
-        if cls.said is None:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            cls.said = register_optimizer_step_post_hook(cls.say)
-
-    @classmethod
-    def on_start(cls, args) -> None:
-        cls.started = time.perf_counter()
-
-    @classmethod
-    def on_end(cls, args) -> None:
-        if cls.started is not None:
-            cls.seconds += time.perf_counter() - cls.started
-            cls.started = None
-
-    @classmethod
-    def say(cls, optimizer, args, kwargs) -> None:
-        cls.said.remove()
-        cls.said = None
-        if cls.local_main:
-            print(f"torch.compile: the model's blocks compiled in {cls.seconds:.1f} s, in the first step "
-                  "(--torch_compile false runs without)", flush=True)
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
