@@ -13,7 +13,6 @@ import argparse
 import ast
 import codecs
 import dataclasses
-import difflib
 import functools
 import inspect
 import math
@@ -24,8 +23,6 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal, Optional
-
-import yaml
 
 from .errors import InputError
 from .task import KINDS
@@ -328,29 +325,6 @@ def describe_cadence(strategy: str, steps: Optional[int]) -> str:
 HELP_SECTIONS = {"model": "model", "data": "data", "task": "task", "per_device_train_batch_size": "optimisation",
                  "lora": "LoRA", "output_dir": "evaluation and checkpoints", "logging_steps": "logging"}
 
-# Names that users of the Trainer, run_glue_no_trainer.py and other scripts type, and what they are here.
-HABITS = {
-    "lr": "learning_rate", "epochs": "num_train_epochs", "num_epochs": "num_train_epochs",
-    "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
-    "eval_batch_size": "per_device_eval_batch_size", "bf16": "mixed_precision bf16",
-    "fp16": "mixed_precision fp16", "evaluation_strategy": "eval_strategy", "model_name_or_path": "model",
-    "train_file": "data", "validation_file": "eval_data", "resume_from_checkpoint": "resume",
-    "max_seq_length": "max_length", "max_train_steps": "max_steps", "num_warmup_steps": "warmup_steps",
-    "checkpointing_steps": "save_steps", "with_tracking": "report_to tensorboard", "num_workers":
-    "dataloader_num_workers", "patience": "early_stopping_patience", "grad_accum": "gradient_accumulation_steps",
-    "sep": "delimiter", "lr_warmup_steps": "warmup_steps",
-}
-
-
-# The Trainer's options that have no counterpart here, and what to do instead.
-FOREIGN = {
-    "do_train": "train.py always trains; leave it out", "do_eval": "train.py always evaluates at the end; "
-    "--eval_strategy sets how often before", "do_predict": "predict with `python -m textclf.predict`",
-    "push_to_hub": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
-    "hub_model_id": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
-}
-
-
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -369,27 +343,6 @@ def field_rules() -> dict[str, list[Rule]]:
 
 # The fields a resumed run may set differently from its checkpoint (MAY_CHANGE_ON_RESUME).
 RESUME_MAY_CHANGE = tuple(name for name, marks in field_marks().items() if MAY_CHANGE_ON_RESUME in marks)
-
-
-def suggest(key: str) -> str:
-    """The known key closest to a mistyped or foreign one ('--lr' -> '--learning_rate'), or ''."""
-    dashes = "--" if key.startswith("--") else ""
-    name = key.lstrip("-").split("=")[0].replace("-", "_")
-    known = field_names()
-    habit = HABITS.get(name)
-    if habit and habit.split()[0] in known:
-        return dashes + habit
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return dashes + close[0] if close else ""
-
-
-def unknown_keys(keys: list[str], where: str = "") -> str:
-    names = [key.lstrip("-").split("=")[0].replace("-", "_") for key in keys]
-    foreign = [f"{key}: {FOREIGN[name]}" for key, name in zip(keys, names) if name in FOREIGN]
-    suggestions = [suggestion for key, name in zip(keys, names) if name not in FOREIGN and (suggestion := suggest(key))]
-    hint = f" (did you mean {' / '.join(suggestions)}?)" if suggestions else ""
-    hint += f" ({'; '.join(foreign)})" if foreign else ""
-    return f"unknown config key(s) {', '.join(keys)}{where}{hint}; see `python train.py --help`"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -477,45 +430,6 @@ def make_parser() -> _Parser:
     return parser
 
 
-def _recipe_args(path: str) -> list[str]:
-    """A YAML recipe as command-line arguments, so that it is type-checked like the command line."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise InputError(f"cannot read config recipe {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:  # a syntax error, or a tag such as !!python/object, which safe_load refuses
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise InputError(f"cannot read config recipe {path}: {getattr(e, 'problem', None) or e}{where}; "
-                         "a recipe is plain YAML of key: value") from None
-    if not isinstance(recipe, dict):
-        raise InputError(f"config recipe {path} must be a mapping of key: value")
-    unknown = sorted(set(recipe) - set(field_names()))
-    if unknown:
-        raise InputError(unknown_keys(unknown, f" in {path}"))
-    args = []
-    for key, value in recipe.items():
-        if value is None:
-            continue
-        values = value if isinstance(value, list) else [value]
-        args += [f"--{key}", *map(str, values)]
-    return args
-
-
-def blame_recipe(message: str, path: Optional[str], from_recipe: list[str], command_line: list[str]) -> str:
-    """`message` about a value, led by the recipe's name when the value came from the recipe."""
-    given = {arg.split("=")[0] for arg in command_line if arg.startswith("--")}
-    keys = [i for i, arg in enumerate(from_recipe) if arg.startswith("--")]
-    for i, end in zip(keys, keys[1:] + [len(from_recipe)]):
-        key, values = from_recipe[i], from_recipe[i + 1:end]
-        named = re.search(rf"(?:^|[\s(]|--){re.escape(key[2:])}\b", message)
-        # argparse quotes the value it refuses: the recipe's, even where the command line sets the key too
-        if named and (key not in given or any(f"'{value}'" in message for value in values)):
-            return f"config recipe {path}: {message}"
-    return message
-
-
 def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None) -> TrainConfig:
     """Defaults < `under` < YAML recipe (`--config`) < command line. `under` is the config of the checkpoint
     resumed (resume.plan parses the command line again over it): this reads no checkpoint."""
@@ -523,7 +437,11 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)
-    from_recipe = _recipe_args(recipe.config) if recipe.config else []
+    from_recipe = []
+    if recipe.config:
+        from .recipe import recipe_args
+
+        from_recipe = recipe_args(recipe.config)
     args = from_recipe + rest
     parser = make_parser()
     if under:
@@ -532,8 +450,14 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
         namespace, unknown = parser.parse_known_args(args)
         cfg = TrainConfig(**vars(namespace))
     except InputError as e:
-        raise InputError(blame_recipe(str(e), recipe.config, from_recipe, rest)) from None
+        if from_recipe:
+            from .recipe import blame_recipe
+
+            e = InputError(blame_recipe(str(e), recipe.config, from_recipe, rest))
+        raise e from None
     if unknown:
+        from .flag_hints import unknown_keys
+
         flags = [arg for arg in unknown if arg.startswith("-")]
         raise InputError(unknown_keys(flags) if flags else f"unexpected argument(s) {' '.join(unknown)}; "
                          "options are given as --key value (see `python train.py --help`)")
