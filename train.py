@@ -125,7 +125,9 @@ def main(cfg: TrainConfig, resume: Optional[Resume] = None) -> None:
     if not metrics:  # resumed from the last checkpoint: nothing left to train
         metrics = evaluate_model(model, eval_loader, accelerator, task)
     if cfg.load_best_model_at_end and best:
-        metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
+        from textclf.best_model import load_best
+
+        metrics = load_best(accelerator, best, step, cfg.output_dir)
     accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
                              training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint},
