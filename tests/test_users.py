@@ -673,8 +673,7 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
 def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
     import logging
 
-    from textclf.errors import actionable
-    from textclf.quiet import run_scope
+    from textclf.quiet import actionable, run_scope
 
     with run_scope():  # a run's, put back at its end
         assert actionable in logging.getLogger("DeepSpeed").filters

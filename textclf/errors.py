@@ -5,12 +5,9 @@ finds): rank 0 reports it, the others keep quiet until the launcher stops them, 
 launcher's report of the failed ranks (torch's ChildFailedError) then quotes it as its root cause.
 """
 
-import json
-import logging
 import os
 import re
 import sys
-import time
 
 from safetensors import SafetensorError
 
@@ -32,9 +29,8 @@ stop_signals: list[str] = []
 
 
 def run_command(main):
-    """Run a command's `main` and return what it returns, turning an InputError into its `error:` line(s)
-    and exit code 2, and a collective that failed because another process ended into one line (exit code 1):
-    that process says why, or said it already."""
+    """`main()`, with an InputError turned into its `error:` line(s) and exit code 2, and a collective that failed
+    because another process ended into one line and exit code 1 (that process says why)."""
     try:
         return main()
     except InputError as e:
@@ -83,14 +79,10 @@ def report(error: InputError) -> None:
         from .ranks import wait_to_be_stopped
 
         wait_to_be_stopped()
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each rank it starts
-    if error_file:
-        # torch's error-file format for a message without a traceback (its ErrorHandler always adds one).
-        try:
-            with open(error_file, "w", encoding="utf-8") as f:
-                json.dump({"message": lines, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass  # the launcher's report then points to torch's docs instead; the line below still says it
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # set by torchrun for each rank it starts
+        from .ranks import write_error_file
+
+        write_error_file(lines)
     print(lines, file=sys.stderr, flush=True)
 
 
@@ -103,13 +95,6 @@ def say(line: str, file=None) -> None:
 def verbose() -> bool:
     """TEXTCLF_VERBOSE=1: the libraries' warnings that textclf silences or shortens are shown as they are."""
     return os.environ.get("TEXTCLF_VERBOSE", "") not in ("", "0")
-
-
-def actionable(record: logging.LogRecord) -> bool:
-    """A logging filter on DeepSpeed's logger, for a run (textclf/quiet.py): False for what it logs that a user cannot
-    act on. It tells every process of a machine without GPUs that it falls back to its CPU accelerator, which is the
-    only one, and every rank resuming a ZeRO checkpoint that no model-parallel unit was given (none is used)."""
-    return verbose() or not record.getMessage().startswith(("Setting accelerator to CPU", "MPU is not provided"))
 
 
 def write_failed(what: str, path: str, error: Exception, advice: str) -> Exception:

@@ -15,7 +15,7 @@ import threading
 import warnings
 from contextlib import ExitStack, contextmanager
 
-from .errors import actionable, verbose
+from .errors import verbose
 
 # (message, module the warning is attributed to), as regular expressions from the start. torch's deprecated
 # collectives warn from the wrapper that logs their failures (c10d_logger), at every call DeepSpeed's ZeRO-3 makes.
@@ -24,6 +24,9 @@ WARNINGS = (
     (r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),  # read by peft
     (r"fan_in_fan_out is set to False but the target module is `Conv1D`", r"peft\.tuners\.lora"),  # GPT-2's layers
 )
+# What DeepSpeed logs that a user cannot act on: every process of a machine without GPUs falls back to the CPU
+# accelerator, the only one; every rank resuming a ZeRO checkpoint was given no model-parallel unit (none is used).
+DEEPSPEED_LINES = ("Setting accelerator to CPU", "MPU is not provided")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _open_scopes: list[ExitStack] = []  # the run scopes entered and not yet ended, innermost last
 
@@ -82,3 +85,8 @@ def progress_bars_off():
             transformers_logging.enable_progress_bar()
         if datasets_on:
             datasets.enable_progress_bars()
+
+
+def actionable(record: logging.LogRecord) -> bool:
+    """A filter on DeepSpeed's logger: False for DEEPSPEED_LINES."""
+    return verbose() or not record.getMessage().startswith(DEEPSPEED_LINES)

@@ -21,13 +21,9 @@ from .quiet import set_for_the_run
 
 
 def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelerator:
-    """One Accelerator for every zoo file, on GPUs and on a CPU-only machine alike. `load_universal`: ZeRO's
-    states are to be loaded from DeepSpeed's universal checkpoint (a resume on another number of processes).
-
-    Without CUDA, a DDP yaml needs `cpu=True` to form a gloo process group (otherwise each rank
-    runs alone), while DeepSpeed needs `cpu=False` and an explicit gloo backend (`cpu=True` would
-    switch DeepSpeed off and silently run plain DDP).
-    """
+    """One Accelerator for every zoo file, on GPUs and CPUs alike. `load_universal`: ZeRO's states come from
+    DeepSpeed's universal checkpoint (a resume on another number of processes). Without CUDA, DDP needs `cpu=True`
+    to form a gloo group (else each rank runs alone), DeepSpeed `cpu=False` and gloo (`cpu=True` would run DDP)."""
     has_cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -49,9 +45,8 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
             step_scheduler_with_optimizer=False,
             log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.project_name, cfg.run_name),
             project_dir=cfg.output_dir,
-            # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-            # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
-            # a blocking copy would wait for the previous step to finish before the next could be queued.
+            # Shuffles of (seed, epoch) alone: a resume replays the data order. On a GPU, pinned batches are copied
+            # without the host waiting for the previous step to finish.
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
                                                       non_blocking=has_cuda),
             kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
@@ -157,17 +152,10 @@ def installed_version(package: str):
 
 
 def exit_finished_run() -> None:
-    """End the process of a finished distributed run (after `accelerator.end_training()`) without
-    interpreter teardown; a single process exits normally.
-
-    `end_training` destroys the process groups, but references to them survive it: DeepSpeed's
-    engine and optimizer, `_dp_group` on every parameter, `deepspeed.utils.groups`, and even in DDP
-    runs `group=WORLD` defaults bound when deepspeed.comm is imported. So gloo's C++ threads are
-    still running while the interpreter tears down, and one that touches Python then aborts the
-    finished run ("terminate called without an active exception", SIGABRT: `accelerate launch`
-    returns 1). Every file of the run is closed and every tracker finished by now: only the
-    teardown is skipped.
-    """
+    """End a finished distributed run's process (after `end_training`) without interpreter teardown: references
+    to the destroyed process groups survive (DeepSpeed's engine, `_dp_group` on every parameter, `group=WORLD`
+    defaults bound when deepspeed.comm is imported), so gloo's threads still run, and one that touches Python
+    aborts the finished run (SIGABRT: `accelerate launch` returns 1). Every file and tracker is closed by now."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()
         exit_now(0)
