@@ -10,11 +10,8 @@ from .errors import InputError
 
 
 def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) -> bool:
-    """Whether optimizer step `step` ends a period of `strategy` ('steps' every `every`, 'epoch', 'no').
-
-    Accelerate syncs gradients at the end of every epoch, so epoch e ends exactly at step
-    (e + 1) x steps_per_epoch.
-    """
+    """Whether optimizer step `step` ends a period of `strategy`: accelerate syncs gradients at every epoch's end,
+    so epoch e ends exactly at step (e + 1) x steps_per_epoch."""
     if strategy == "epoch":
         return step % steps_per_epoch == 0
     return strategy == "steps" and every is not None and step % every == 0
@@ -22,14 +19,10 @@ def due(strategy: str, every: Optional[int], step: int, steps_per_epoch: int) ->
 
 def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str,
                greater_is_better: bool = True) -> Optional[dict]:
-    """The best evaluation after this one, and how many evaluations in a row did not improve on it.
-
-    As in the Trainer's EarlyStoppingCallback, only a strictly better value (higher, or lower where the
-    task says lower is better: textclf/task.py) counts as an improvement; a tie still moves the best
-    to the newer checkpoint, the one rotation keeps (checkpoint.rotate). An undefined value (None: a
-    correlation of constant predictions) improves on nothing. `checkpoint` is where this step's
-    checkpoint is (or would be) saved.
-    """
+    """The best evaluation after this one (`checkpoint`: where this step's is or would be saved), and how many in
+    a row did not improve on it. As in the Trainer's EarlyStoppingCallback, only a strictly better value counts;
+    a tie moves the best to the newer checkpoint, the one rotation keeps. None (a correlation of constant
+    predictions) improves on nothing."""
     if metric not in metrics:
         raise InputError(f"metric_for_best_model {metric} is not one of the evaluation's: {', '.join(metrics)}")
     value = metrics[metric]

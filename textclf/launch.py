@@ -1,7 +1,5 @@
-"""What the launch asks for, read from what `accelerate launch` or torchrun set (the environment, the
-accelerate config) before torch, accelerate or the data are loaded: a launch that cannot run is refused
-at once (and what the machine lacks for it, with torch and accelerate loaded but not yet the rest).
-runtime.py builds the Accelerator for it; the check (textclf/check.py) reads the same rules."""
+"""What the launch asks for, read from what `accelerate launch` or torchrun set, before the heavy imports: a launch
+that cannot run is refused at once. runtime.py builds the Accelerator for it; textclf/check.py reads the same rules."""
 
 import os
 from typing import Optional
@@ -30,17 +28,15 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
 
 
 def check_command_line(cfg) -> None:
-    """Right after the command line is parsed, before anything else is read: a data file that is not there, and a
-    launch that contradicts itself (a --mixed_precision other than the launch's, a DeepSpeed JSON unreadable)."""
+    """Right after the command line is parsed: a data file that is not there, a launch that contradicts itself."""
     require_data(cfg.data, cfg.eval_data)
     this_launch(cfg.mixed_precision)
 
 
 def check_launch_early(cfg) -> None:
-    """Before the heavy imports and any data, once resume.plan_resume has given `cfg` (a resumed run's batch split
-    included): a DeepSpeed JSON hard-coding what the training config owns. Then, with torch and accelerate loaded
-    (a second) but not yet transformers or the data, what this machine lacks: a CUDA GPU for fp16 or FSDP, a
-    tracker asked for."""
+    """Once resume.plan_resume has given `cfg` (a resumed run's batch split included): a DeepSpeed JSON hard-coding
+    what the training config owns; then, with torch loaded but not yet transformers or the data, what this machine
+    lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
     ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if launch["zero_stage"] is not None and ds_file != "none":
@@ -63,9 +59,8 @@ def check_launch_early(cfg) -> None:
 
 
 def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str, str]]:
-    """(what needs CUDA, what to do instead) for each part of a launch that runs only on CUDA GPUs: the one rule
-    by which train.py refuses a launch on a machine without CUDA and the check calls it a conflict. Neither would
-    fail there: a CPU would run fp16 as fp32, and accelerate would run FSDP as plain DDP, without a word."""
+    """(what needs CUDA, what to do instead) for each part of a launch that runs only on CUDA GPUs, which train.py
+    refuses and the check calls a conflict without CUDA: neither would fail, just silently run something else."""
     needs = []
     if precision == "fp16":
         needs.append(("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32)",
@@ -78,11 +73,8 @@ def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str
 
 
 def resolve_precision(asked):
-    """The precision the run will use: `asked` (--mixed_precision) or the launch's; a contradiction is refused.
-
-    `accelerate launch` always sets ACCELERATE_MIXED_PRECISION (from its --mixed_precision or the yaml),
-    and the Accelerator would let the script's value win without a word.
-    """
+    """`asked` (--mixed_precision) or the launch's (ACCELERATE_MIXED_PRECISION, set by every `accelerate launch`);
+    a contradiction is refused, where the Accelerator would let the script's value win without a word."""
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     if asked and launched and asked != launched:
         raise InputError(f"--mixed_precision {asked} contradicts the launch, which runs {launched} (accelerate "
@@ -102,6 +94,6 @@ def launch_shortfall(started: int, launch_line: Optional[list[str]] = None) -> O
 
 
 def zero_offload(zero_optimization: dict) -> dict[str, str]:
-    """Where DeepSpeed keeps optimizer states and parameters, read from the `zero_optimization` section
-    of its config (run.json, the check and the benchmark all read it here): {"optimizer": "cpu", "param": "none"}."""
+    """Where DeepSpeed keeps optimizer states and parameters, from its `zero_optimization` section (run.json, the
+    check and the benchmark read it here): {"optimizer": "cpu", "param": "none"}."""
     return {part: zero_optimization.get(f"offload_{part}", {}).get("device", "none") for part in ("optimizer", "param")}

@@ -1,11 +1,8 @@
-"""What a run changes in the process and its libraries, for the run alone: put back when it ends, however it ends,
-so that a second run in the same process (a notebook, a test) starts as the first did.
-
-Inside it, what the libraries say that a user cannot act on is silenced (TEXTCLF_VERBOSE=1 shows it as they say
-it), each by its message and the module that says it, never a whole category: library code calling another
-library's deprecated functions, DeepSpeed's lines about its own defaults, and the bars of transformers (loading
-and writing weights) and datasets (train.py's data stage shows the one that takes minutes). train.py's SIGTERM and
-SIGINT handlers are put back too.
+"""What a run changes in the process and its libraries, put back when it ends however it ends, so that a second run
+in the same process (a notebook, a test) starts as the first did: train.py's signal handlers, and the silence of
+what libraries say that a user cannot act on (TEXTCLF_VERBOSE=1 shows it), each by its message and module, never
+a whole category: deprecations inside libraries, DeepSpeed's lines about its defaults, transformers' and datasets'
+bars.
 """
 
 import functools
@@ -32,8 +29,7 @@ _open_scopes: list[ExitStack] = []  # the run scopes entered and not yet ended, 
 
 
 def set_for_the_run(owner, name: str, value) -> None:
-    """`owner.name = value` until the innermost run scope ends, when the value it had is put back (outside a
-    scope, for good): a library setting that a run changes (TF32, dynamo's recompile limit)."""
+    """`owner.name = value` until the innermost run scope ends (outside one, for good): TF32, dynamo's limits."""
     if _open_scopes:
         _open_scopes[-1].callback(setattr, owner, name, getattr(owner, name))
     setattr(owner, name, value)

@@ -18,8 +18,8 @@ LOG = "log.jsonl"
 
 
 class JsonLinesTracker(GeneralTracker):
-    """log.jsonl as one of accelerate's trackers: one line per `accelerator.log` call (main process only), with
-    the step, its wall-clock `time` (Unix seconds; the benchmark times steps from it) and the values."""
+    """log.jsonl as one of accelerate's trackers: a line per `accelerator.log` (main process), with the step, its
+    wall-clock `time` (the benchmark times steps from it) and the values."""
 
     name, requires_logging_directory, main_process_only = "log.jsonl", True, True
 
@@ -83,11 +83,8 @@ def keep_log_until(output_dir: str, step: int) -> None:
 
 
 class Window:
-    """Loss and throughput over the micro-batches since the last log line.
-
-    Its counts (`state`) are part of a checkpoint: a run resumed between two log lines logs the same
-    loss at the next one as the run that was never stopped. Its clock restarts.
-    """
+    """Loss and throughput over the micro-batches since the last log line. Its counts go in a checkpoint: a run
+    resumed between two log lines logs the same loss at the next as the run never stopped (its clock restarts)."""
 
     def __init__(self, state: Optional[dict] = None):
         self.start = time.perf_counter()
