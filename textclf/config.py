@@ -313,6 +313,7 @@ def describe_cadence(strategy: str, steps: Optional[int]) -> str:
 HELP_SECTIONS = {"model": "model", "data": "data", "task": "task", "per_device_train_batch_size": "optimisation",
                  "lora": "LoRA", "output_dir": "evaluation and checkpoints", "logging_steps": "logging"}
 
+
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 

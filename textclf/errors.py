@@ -68,22 +68,10 @@ def gist(error: BaseException) -> str:
 
 
 def report(error: InputError) -> None:
-    from tqdm import tqdm
+    """`error` as its `error:` line(s), said once under a launch (textclf/failure.py)."""
+    from .failure import report
 
-    lines = "\n".join(f"error: {line}" for line in str(error).splitlines())
-    # A progress bar left open ends its line first. tqdm lists its open bars only in the private _instances (no
-    # public list); test_oneline fails if that changes.
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    if int(os.environ.get("RANK", "0")) > 0:
-        from .ranks import wait_to_be_stopped
-
-        wait_to_be_stopped()
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # set by torchrun for each rank it starts
-        from .ranks import write_error_file
-
-        write_error_file(lines)
-    print(lines, file=sys.stderr, flush=True)
+    report(error)
 
 
 def say(line: str, file=None) -> None:
@@ -99,8 +87,8 @@ def verbose() -> bool:
 
 def write_failed(what: str, path: str, error: Exception, advice: str) -> Exception:
     """A write that failed (full disk, quota, file size limit, permissions, a link in the way) as one line: what
-    could not be written, why, what this machine says about it, and `advice` (textclf/failed_write.py)."""
-    from .failed_write import explain
+    could not be written, why, what this machine says about it, and `advice` (textclf/failure.py)."""
+    from .failure import explain
 
     return explain(what, path, error, advice)
 

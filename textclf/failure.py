@@ -1,4 +1,5 @@
-"""What a write that failed means, said in one line: imported only once one has (errors.write_failed)."""
+"""The error path: an error said as its `error:` line(s) (errors.report), and what a write that failed means
+(errors.write_failed). Imported only once something has failed."""
 
 import errno
 import os
@@ -6,6 +7,8 @@ import re
 import resource
 import shutil
 import sys
+
+from tqdm import tqdm
 
 from .errors import PEER_ENDED, InputError, gist, peer_ended
 
@@ -18,6 +21,23 @@ OUT_OF_MEMORY_ADVICE = ("the disk is not the cause: free memory (a smaller --per
                         "--per_device_eval_batch_size, fewer processes per GPU, or an offload file such as "
                         "accelerate_configs/zero3_offload.yaml: a ZeRO-3 save gathers the 16-bit weights on each "
                         "GPU), then run again")
+
+
+def report(error: InputError) -> None:
+    lines = "\n".join(f"error: {line}" for line in str(error).splitlines())
+    # A progress bar left open ends its line first. tqdm lists its open bars only in the private _instances (no
+    # public list); test_oneline fails if that changes.
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    if int(os.environ.get("RANK", "0")) > 0:
+        from .ranks import wait_to_be_stopped
+
+        wait_to_be_stopped()
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # set by torchrun for each rank it starts
+        from .ranks import write_error_file
+
+        write_error_file(lines)
+    print(lines, file=sys.stderr, flush=True)
 
 
 def out_of_memory(error: BaseException) -> bool:
