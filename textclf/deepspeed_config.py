@@ -1,10 +1,13 @@
-"""A DeepSpeed launch's JSON (ACCELERATE_DEEPSPEED_CONFIG_FILE): read, and refused before anything is built where it
-contradicts the training config or DeepSpeed's own parser. Imported only under DeepSpeed (and by the check)."""
+"""A DeepSpeed launch's JSON (ACCELERATE_DEEPSPEED_CONFIG_FILE): read, refused before anything is built where it
+contradicts the training config or DeepSpeed's own parser, and completed for the run. Imported only under DeepSpeed
+(and by the check)."""
 
 import copy
 import json
+import os
 
 from .errors import InputError
+from .launch import zero_offload
 
 
 def read_deepspeed_file(path: str) -> dict:
@@ -68,3 +71,29 @@ def check_deepspeed_config(config: dict, place: str) -> None:
         raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
     except (ValueError, TypeError, AssertionError, KeyError) as e:
         raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+
+
+def before_the_accelerator(has_cuda: bool) -> None:
+    """The JSON checked before anything is built (DeepSpeed itself reads it only at prepare()), and on a CPU the op
+    deepspeed.comm loads when the Accelerator starts."""
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if ds_file != "none":
+        check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
+    if not has_cuda:
+        from .deepspeed_ops import load_deepspeed_ops
+
+        load_deepspeed_ops(["ShareMemCommBuilder"])
+
+
+def complete_the_plugin(plugin, max_grad_norm: float, load_universal: bool) -> None:
+    """The training config's clipping where the JSON says "auto" (accelerate would fill in 1.0), the universal
+    checkpoint's loading (a resume on another number of processes), and the op of DeepSpeedCPUAdam, which
+    accelerate swaps in at prepare() when the optimizer is offloaded."""
+    if plugin.deepspeed_config.get("gradient_clipping") == "auto":
+        plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
+    if load_universal:
+        plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    if zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
+        from .deepspeed_ops import load_deepspeed_ops
+
+        load_deepspeed_ops(["CPUAdamBuilder"])

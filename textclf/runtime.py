@@ -27,15 +27,10 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
     has_cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if deepspeed and ds_file != "none":  # before anything is built: DeepSpeed itself reads it only at prepare()
-        from .deepspeed_config import check_deepspeed_config, read_deepspeed_file
+    if deepspeed:
+        from .deepspeed_config import before_the_accelerator
 
-        check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
-    if deepspeed and not has_cuda:
-        from .deepspeed_ops import load_deepspeed_ops
-
-        load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
+        before_the_accelerator(has_cuda)
     with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints "... built successfully" per rank
         accelerator = Accelerator(
             cpu=not has_cuda and not deepspeed,
@@ -53,16 +48,10 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
         )
     print("".join(line for line in said.getvalue().splitlines(keepends=True)
                   if verbose() or not line.endswith("built successfully\n")), end="")
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
-        # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
-        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
-    if plugin is not None and load_universal:
-        plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    if plugin is not None and zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
-        from .deepspeed_ops import load_deepspeed_ops
+    if accelerator.state.deepspeed_plugin is not None:
+        from .deepspeed_config import complete_the_plugin
 
-        load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
+        complete_the_plugin(accelerator.state.deepspeed_plugin, cfg.max_grad_norm, load_universal)
     return accelerator
 
 
