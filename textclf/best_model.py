@@ -1,14 +1,35 @@
-"""The best checkpoint put back at the end of a run (--load_best_model_at_end): imported only then, and by a resume
-that must find it."""
+"""The best checkpoint (--load_best_model_at_end): tracked at each evaluation and put back at the end of the run.
+Imported only with that flag, and by a resume that must find it."""
 
 import json
 import os
+from typing import Optional
 
 from accelerate import Accelerator
 
 from .checkpoint import POSITION, checkpoint_folder, read_verified_position, write_json
 from .errors import InputError, checked_on_main_process
 from .task import format_score
+
+
+def track_best(best: Optional[dict], step: int, metrics: dict, metric: str, checkpoint: str,
+               greater_is_better: bool = True) -> Optional[dict]:
+    """The best evaluation after this one (`checkpoint`: where this step's is or would be saved), and how many in
+    a row did not improve on it. As in the Trainer's EarlyStoppingCallback, only a strictly better value counts;
+    a tie moves the best to the newer checkpoint, the one rotation keeps. None (a correlation of constant
+    predictions) improves on nothing."""
+    if metric not in metrics:
+        raise InputError(f"metric_for_best_model {metric} is not one of the evaluation's: {', '.join(metrics)}")
+    value = metrics[metric]
+    if value is None:
+        return None if best is None else {**best, "evaluations_without_improvement":
+                                          best["evaluations_without_improvement"] + 1}
+    improved = best is None or (value > best["value"] if greater_is_better else value < best["value"])
+    waited = 0 if improved else best["evaluations_without_improvement"] + 1
+    if improved or value == best["value"]:
+        return {"step": step, "value": value, "metrics": metrics, "checkpoint": checkpoint,
+                "evaluations_without_improvement": waited}
+    return {**best, "evaluations_without_improvement": waited}
 
 
 def find_best_checkpoint(best: dict, output_dir: str) -> str:
