@@ -10,6 +10,26 @@ from .errors import InputError
 from .launch import zero_offload
 
 
+def stage_and_precision(precision: str) -> tuple[int, str]:
+    """launch.this_launch under DeepSpeed: the ZeRO stage (the JSON's, or the launch's where it says "auto", as
+    accelerate's DeepSpeedPlugin fills it in), and the precision, which a JSON switching a 16-bit type on decides."""
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    ds_config = read_deepspeed_file(ds_file) if ds_file != "none" else {}
+    stage = ds_config.get("zero_optimization", {}).get("stage", "auto")
+    if stage == "auto":
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+    return stage, next((kind for kind in ("fp16", "bf16") if ds_config.get(kind, {}).get("enabled") is True),
+                       precision)
+
+
+def refuse_conflicts(cfg, world: int) -> None:
+    """The first of deepspeed_conflicts in the launch's JSON, refused."""
+    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    conflicts = deepspeed_conflicts(read_deepspeed_file(ds_file), ds_file, cfg, world) if ds_file != "none" else []
+    if conflicts:
+        raise InputError(conflicts[0])
+
+
 def read_deepspeed_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:

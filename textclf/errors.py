@@ -1,9 +1,6 @@
-"""Errors the user must act on: one `error:` line that says what was wrong and what to do, exit code 2.
-
-Under a launcher every rank meets such an error at the same point (train.py agrees on the ones a single rank
-finds): rank 0 reports it, the others keep quiet until the launcher stops them, so the user reads it once. The
-launcher's report of the failed ranks (torch's ChildFailedError) then quotes it as its root cause.
-"""
+"""Errors the user must act on: one `error:` line that says what was wrong and what to do, exit code 2. Under a
+launcher every rank meets such an error at the same point (train.py agrees on the ones a single rank finds), and
+rank 0 alone reports it (textclf/failure.py)."""
 
 import os
 import re
@@ -13,13 +10,12 @@ from safetensors import SafetensorError
 
 
 class InputError(Exception):
-    """Something the user must fix (bad input, a full disk, a folder in use by another run): reported as
-    one line (one per line of the message), exit code 2, nothing half written."""
+    """Something the user must fix (bad input, a full disk, a folder in use by another run): an `error:` line per
+    line of the message, exit code 2, nothing half written."""
 
 
-# What a failed write may raise: OSError from Python, RuntimeError from torch.save ("unexpected pos ...", the
-# errno is lost), SafetensorError from safetensors. A RuntimeError is also what an out-of-memory error and a
-# failed collective are: write_failed tells them apart.
+# What a failed write may raise: torch.save's is a RuntimeError (its errno lost), as are an out-of-memory error and
+# a failed collective: write_failed tells them apart.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 # What a rank says when a collective failed because another rank ended (killed, or stopped by its own error).
 PEER_ENDED = "another process of this run ended"
@@ -52,8 +48,7 @@ def exit_now(code: int) -> None:
 
 
 def peer_ended(error: BaseException) -> bool:
-    """Whether `error` is a collective that failed because another process of the run is gone (textclf/ranks.py
-    tells, under a launch of several processes)."""
+    """Whether `error` is a collective that failed because another process of the run is gone (textclf/ranks.py)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(error, RuntimeError):
         return False
     from .ranks import collective_failed_for_a_peer

@@ -1,5 +1,6 @@
-"""The error path: an error said as its `error:` line(s) (errors.report), and what a write that failed means
-(errors.write_failed). Imported only once something has failed."""
+"""The error path, imported only once something has failed: an error said as its `error:` line(s) (errors.report),
+rank 0's alone under a launch (the others keep quiet until the launcher stops them, whose report of the failed ranks
+quotes it as the root cause), and what a write that failed means (errors.write_failed)."""
 
 import errno
 import os

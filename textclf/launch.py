@@ -13,16 +13,9 @@ def this_launch(mixed_precision: Optional[str]) -> dict:
     processes, DeepSpeed's ZeRO stage (its JSON's, or the launch's), and the precision."""
     precision, stage = resolve_precision(mixed_precision), None
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        from .deepspeed_config import read_deepspeed_file
+        from .deepspeed_config import stage_and_precision
 
-        ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        ds_config = read_deepspeed_file(ds_file) if ds_file != "none" else {}
-        stage = ds_config.get("zero_optimization", {}).get("stage", "auto")
-        if stage == "auto":  # as accelerate's DeepSpeedPlugin fills it in
-            stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
-        # A JSON that switches a 16-bit type on itself decides the precision (accelerate's mixed_precision).
-        precision = next((kind for kind in ("fp16", "bf16") if ds_config.get(kind, {}).get("enabled") is True),
-                         precision)
+        stage, precision = stage_and_precision(precision)
     return {"num_processes": int(os.environ.get("WORLD_SIZE", "1")), "zero_stage": stage,
             "mixed_precision": precision}
 
@@ -38,13 +31,10 @@ def check_launch_early(cfg) -> None:
     what the training config owns; then, with torch loaded but not yet transformers or the data, what this machine
     lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
-    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if launch["zero_stage"] is not None and ds_file != "none":
-        from .deepspeed_config import deepspeed_conflicts, read_deepspeed_file
+    if launch["zero_stage"] is not None:
+        from .deepspeed_config import refuse_conflicts
 
-        conflicts = deepspeed_conflicts(read_deepspeed_file(ds_file), ds_file, cfg, launch["num_processes"])
-        if conflicts:
-            raise InputError(conflicts[0])
+        refuse_conflicts(cfg, launch["num_processes"])
     import torch
 
     if not torch.cuda.is_available():

@@ -56,8 +56,8 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
 
 
 def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator) -> dict:
-    """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
-    applied to `model` in place before `accelerator.prepare` (textclf/speedups.py); what was applied, for run.json."""
+    """TF32, Liger's kernels and torch.compile as their flags ask, applied to `model` in place before
+    `accelerator.prepare` (textclf/speedups.py); what was applied, for run.json."""
     settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
                              accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
     settings["padding_multiple"] = padding_multiple(cfg, accelerator)
@@ -77,9 +77,8 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
 def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dynamo_plugin,
                   model_type: Optional[str]) -> dict:
-    """{tf32, use_liger_kernel, torch_compile (torch.compile's keywords, or None)} for this run: the flags, with
-    auto (None) decided by the hardware, the launch and the model's family. A value the run cannot honour is
-    refused."""
+    """{tf32, use_liger_kernel, torch_compile (its keywords, or None)}: the flags, with auto (None) decided by the
+    hardware, the launch and the model's family; a value the run cannot honour is refused."""
     compile_kwargs = None
     if compiles(cfg, cuda, distributed_type, dynamo_plugin):
         from .speedups import compile_options
@@ -106,9 +105,8 @@ def compiles(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dy
 
 
 def padding_multiple(cfg: TrainConfig, accelerator: Accelerator) -> Optional[int]:
-    """What each batch's length is padded up to a multiple of. Compiling: max_length / 8, rounded up to a multiple
-    of 8, so that lengths fall in at most 8 buckets, each compiled once. Otherwise 8 in 16-bit precision, the
-    multiple tensor cores take (run_glue_no_trainer pads the same way), and none in fp32."""
+    """What batch lengths are padded up to a multiple of: compiling, max_length / 8 rounded up to a multiple of 8
+    (at most 8 buckets, each compiled once); else 8 in 16-bit precision, tensor cores' multiple, and none in fp32."""
     if compiles(cfg, accelerator.device.type == "cuda", accelerator.distributed_type, accelerator.state.dynamo_plugin):
         return 8 * math.ceil(cfg.max_length / 64)
     return 8 if accelerator.mixed_precision != "no" else None
