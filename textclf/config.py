@@ -264,6 +264,9 @@ class TrainConfig:
 
     def _check_cadence(self):
         """Unset cadences as the Trainer sets them; a checkpoint at every evaluation where the best model is kept."""
+        def describe_cadence(strategy: str, steps: Optional[int]) -> str:
+            return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
+
         if self.eval_strategy is None:
             self.eval_strategy = "steps" if self.eval_steps else "no"
         if self.eval_strategy == "steps" and self.eval_steps is None:
@@ -303,10 +306,6 @@ class TrainConfig:
     def num_warmup_steps(self, total_steps: int) -> int:
         """warmup_steps when given, else warmup_ratio of the run's optimizer steps (as TrainingArguments)."""
         return self.warmup_steps or round(self.warmup_ratio * total_steps)
-
-
-def describe_cadence(strategy: str, steps: Optional[int]) -> str:
-    return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
 
 
 # --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.

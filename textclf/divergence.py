@@ -12,9 +12,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from .checkpoint import complete_checkpoints
-from .errors import InputError
-
 LOSS, GRAD_NORM = 1, 2  # what was not finite, as bits of the code kept per step: code = step * 4 + bits
 
 
@@ -43,7 +40,7 @@ class DivergenceWatch:
         self.step_bits = torch.zeros_like(self.step_bits)
 
     def check(self, step: int, model=None) -> None:
-        """Stop the run (InputError) if any step until `step` diverged on any process, or the `model`'s weights are
+        """Stop the run (an InputError) if any step until `step` diverged on any process, or the `model`'s weights are
         not finite: every process calls it at the same steps and stops alike."""
         weights_bad = torch.zeros((), dtype=torch.long, device=self.first.device)
         if model is not None:
@@ -58,14 +55,10 @@ class DivergenceWatch:
         if any(bad):
             raise self.diverged(f"step {step}: the weights it reached are not finite (NaN or inf)")
 
-    def diverged(self, where: str) -> InputError:
-        found = complete_checkpoints(self.output_dir)
-        # A resume repeats the same steps (and refuses another --learning_rate): the remedy is a new run.
-        last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
-                     else "no checkpoint was saved before it")
-        clip = "" if self.clipping else " (or clip gradients with --max_grad_norm 1.0)"
-        return InputError(f"training diverged at {where}; the learning rate {self.learning_rate:g} is likely too high. "
-                          f"Nothing of it was saved: {last_good}; start a new run with a lower --learning_rate{clip}")
+    def diverged(self, where: str) -> Exception:
+        from .failure import diverged
+
+        return diverged(where, self.output_dir, self.learning_rate, self.clipping)
 
 
 def all_finite(model, device) -> torch.Tensor:

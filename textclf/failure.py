@@ -1,6 +1,6 @@
 """The error path, imported only once something has failed: an error said as its `error:` line(s) (errors.report),
 rank 0's alone under a launch (the others keep quiet until the launcher stops them, whose report of the failed ranks
-quotes it as the root cause), and what a write that failed means (errors.write_failed)."""
+quotes it as the root cause), what a write that failed means (errors.write_failed), and a diverged run's remedy."""
 
 import errno
 import os
@@ -80,3 +80,16 @@ def explain(what: str, path: str, error: Exception, advice: str) -> Exception:
     elif not isinstance(error, OSError) and limit != resource.RLIM_INFINITY:
         reason = os.strerror(errno.EFBIG)
     return InputError(f"cannot {what} {path}: {reason} ({facts}); {advice}")
+
+
+def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool) -> InputError:
+    """divergence.DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
+    the remedy is a new run."""
+    from .checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(output_dir)
+    last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
+                 else "no checkpoint was saved before it")
+    clip = "" if clipping else " (or clip gradients with --max_grad_norm 1.0)"
+    return InputError(f"training diverged at {where}; the learning rate {learning_rate:g} is likely too high. "
+                      f"Nothing of it was saved: {last_good}; start a new run with a lower --learning_rate{clip}")
