@@ -122,6 +122,15 @@ ONLY_WHEN_NEEDED = {
     "textclf.deepspeed_ops": "DeepSpeed's C++ ops, compiled at first use",
     "textclf.data_errors": "why a data file could not be read (encodings, delimiters, JSON)",
     "textclf.ranks": "what the other ranks of a launch do when one fails",
+    "textclf.failure": "the error path: an error line, a failed write's cause, a diverged run's remedy",
+    "textclf.deepspeed_config": "a DeepSpeed launch's JSON, checked and completed",
+    "textclf.launch_line": "the `accelerate launch` line's process count",
+    "textclf.trackers": "the trackers --report_to names besides log.jsonl",
+    "textclf.speedups": "torch.compile and Liger's kernels (by default on a CUDA GPU)",
+    "textclf.recipe": "a YAML recipe (--config)",
+    "textclf.flag_hints": "the option meant by an unknown key",
+    "textclf.best_model": "the best checkpoint (--load_best_model_at_end)",
+    "textclf.default_corpus": "the default data, built by the run that finds it missing",
 }
 
 

@@ -338,18 +338,15 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
 
 
 class EpochLengthGroupedSampler(Sampler):
-    """An epoch's examples in whole global batches, drawn from (seed, epoch, global batch) alone.
+    """An epoch's examples in whole global batches, drawn from (seed, epoch, global batch) alone, never from how
+    the global batch is split (`accelerate.prepare` deals its micro-batches out to the processes in turn): a
+    checkpoint resumes on another number of processes at the same example, and replays its batches. The examples
+    left over (fewer than one global batch) sit out the epoch, a different draw each epoch.
 
-    Never from how the global batch is split: `accelerate.prepare` deals each global batch's micro-batches out
-    to the processes in turn, so a checkpoint resumes on another number of processes at the same example, and a
-    pure function of the epoch lets a resumed run replay its batches. The examples left over (fewer than one
-    global batch) sit out the epoch, a different draw each epoch.
-
-    With `group_by_length`, each global batch is one of the Trainer's length groups, shuffled whole. The
-    Trainer's order walks each megabatch from its longest group to its shortest; where length goes with the
-    label (negative reviews run longer), that sweeps the label mix back and forth, and a scratch model stayed at
-    chance for epochs. The group with the longest example stays first, so an out-of-memory batch shows at once.
-    No library sampler orders groups this way.
+    With `group_by_length`, each global batch is one of the Trainer's length groups, shuffled whole: the Trainer's
+    order walks each megabatch from its longest group to its shortest, which sweeps the label mix back and forth
+    where length goes with the label, and a scratch model stayed at chance for epochs. The group with the longest
+    example stays first, so an out-of-memory batch shows at once. No library sampler orders groups this way.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True):
@@ -417,7 +414,6 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
                                         seed, group_by_length)
     train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
                               generator=generator, pin_memory=pin_memory, num_workers=num_workers)
-    # Sorted by length, evaluation pads little; the metrics do not depend on the order.
     eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, pin_memory,
                                        num_workers)
     return train_loader, eval_loader

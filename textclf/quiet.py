@@ -37,7 +37,7 @@ def set_for_the_run(owner, name: str, value) -> None:
 
 @contextmanager
 def run_scope():
-    """The scope of one run (or one command): see the module's docstring."""
+    """The scope of one run (or one command)."""
     with ExitStack() as restore:
         _open_scopes.append(restore)
         restore.callback(_open_scopes.remove, restore)
