@@ -125,7 +125,9 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
     if not metrics:  # resumed from the last checkpoint: nothing left to train
         metrics = evaluate_model(model, eval_loader, accelerator, task)
     if cfg.load_best_model_at_end and best:
-        metrics = cadence.load_best(accelerator, best, step, cfg.output_dir)
+        from textclf.best_model import load_best
+
+        metrics = load_best(accelerator, best, step, cfg.output_dir)
     accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, tokenizer, os.path.join(cfg.output_dir, "model"),
                              training={"config": cfg.to_dict(), "data_fingerprint": data_fingerprint},
@@ -239,9 +241,11 @@ def evaluate(cfg, accelerator, model, eval_loader, task, step: int, best: Option
     metrics = evaluate_model(model, eval_loader, accelerator, task)
     tracking.log(accelerator, metrics, step)
     if cfg.load_best_model_at_end:
-        best = cadence.track_best(best, step, metrics, cfg.metric_for_best_model,
-                                  checkpoint.checkpoint_folder(cfg.output_dir, step),
-                                  task.greater_is_better(cfg.metric_for_best_model))
+        from textclf.best_model import track_best
+
+        best = track_best(best, step, metrics, cfg.metric_for_best_model,
+                          checkpoint.checkpoint_folder(cfg.output_dir, step),
+                          task.greater_is_better(cfg.metric_for_best_model))
     if cadence.patience_ran_out(best, cfg.early_stopping_patience) and step < total_steps:
         accelerator.print(f"early stopping at step {step}: {cfg.early_stopping_patience} evaluations "
                           f"without improvement of {cfg.metric_for_best_model}")

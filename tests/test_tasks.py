@@ -272,7 +272,7 @@ def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
 
 
 def test_the_best_model_and_patience_follow_the_tasks_direction():
-    from textclf.cadence import track_best
+    from textclf.best_model import track_best
 
     best = None
     for step, mse in [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.5)]:

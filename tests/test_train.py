@@ -127,6 +127,15 @@ ONLY_WHEN_NEEDED = {
     "textclf.lora": "LoRA's adapters, and a LoRA model folder written and read",
     "textclf.layer_options": "--torch_compile's blocks (by default on a GPU) and --gradient_checkpointing",
     "textclf.waiting": "what the other ranks say while the local main process prepares the data",
+    "textclf.failure": "the error path: an error line, a failed write's cause, a diverged run's remedy",
+    "textclf.deepspeed_config": "a DeepSpeed launch's JSON, checked and completed",
+    "textclf.launch_line": "the `accelerate launch` line's process count",
+    "textclf.trackers": "the trackers --report_to names besides log.jsonl",
+    "textclf.speedups": "torch.compile and Liger's kernels (by default on a CUDA GPU)",
+    "textclf.recipe": "a YAML recipe (--config)",
+    "textclf.flag_hints": "the option meant by an unknown key",
+    "textclf.best_model": "the best checkpoint (--load_best_model_at_end)",
+    "textclf.default_corpus": "the default data, built by the run that finds it missing",
 }
 
 

@@ -148,15 +148,15 @@ def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
 
 
 def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
-    from textclf import tracking
+    from textclf import trackers
 
-    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard"])
+    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard"])
     with pytest.raises(InputError, match="--report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "
                                          ".*mlflow"):
-        tracking.check_trackers(["tensorbord"])
+        trackers.check_trackers(["tensorbord"])
     with pytest.raises(InputError, match="--report_to tensorboard mlflow, but mlflow is not installed; "
                                          "pip install mlflow"):
-        tracking.check_trackers(["tensorboard", "mlflow"])
+        trackers.check_trackers(["tensorboard", "mlflow"])
 
 
 @pytest.fixture
@@ -230,10 +230,10 @@ def test_report_to_all_names_the_trackers_it_chose_and_wandb_writes_under_the_ou
         tmp_path, monkeypatch, capsys, fresh_accelerator_state):
     from accelerate import Accelerator
 
-    from textclf import tracking
+    from textclf import trackers, tracking
     from textclf.config import TrainConfig
 
-    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard"])
+    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard"])
     monkeypatch.delenv("WANDB_DIR", raising=False)
     cfg = TrainConfig(report_to=["all"], output_dir=str(tmp_path / "out"))
     accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir),
@@ -674,8 +674,7 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
 def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
     import logging
 
-    from textclf.errors import actionable
-    from textclf.quiet import run_scope
+    from textclf.quiet import actionable, run_scope
 
     with run_scope():  # a run's, put back at its end
         assert actionable in logging.getLogger("DeepSpeed").filters

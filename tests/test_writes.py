@@ -154,7 +154,7 @@ TORCH_SAVE_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 
 def test_a_failed_write_names_its_cause_full_disk_out_of_memory_or_a_peer_s_end(tmp_path, monkeypatch):
     import shutil
 
-    from textclf import errors
+    from textclf import failure
 
     def said(error):
         return str(write_failed("save checkpoint", str(tmp_path / "step_2"), error, "the advice"))
@@ -163,10 +163,10 @@ def test_a_failed_write_names_its_cause_full_disk_out_of_memory_or_a_peer_s_end(
         f"cannot save checkpoint {tmp_path / 'step_2'}: No space left on device (")
     # torch.save's own words lose the errno: a file system left full is named full, otherwise its words stay.
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    monkeypatch.setattr(failure.shutil, "disk_usage", lambda path: usage._replace(free=4096))
     assert said(RuntimeError(TORCH_SAVE_FAILED)).startswith(
         f"cannot save checkpoint {tmp_path / 'step_2'}: No space left on device (0.0 MiB free on its file system")
-    monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage._replace(free=10 * 2 ** 30))
+    monkeypatch.setattr(failure.shutil, "disk_usage", lambda path: usage._replace(free=10 * 2 ** 30))
     assert ": [enforce fail at inline_container.cc:672] . unexpected pos" in said(RuntimeError(TORCH_SAVE_FAILED))
     # Out of memory (CUDA's, while ZeRO-3 gathers the weights to save them) is not a full disk.
     oom = said(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)"))

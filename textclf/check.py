@@ -69,8 +69,10 @@ import torch
 
 from .checkpoint import find_resume_checkpoint, read_verified_position
 from .data import sample_key
+from .deepspeed_config import check_deepspeed_config, deepspeed_conflicts
 from .job import load_data
-from .launch import cuda_only, deepspeed_conflicts, fewer_processes, zero_offload
+from .launch import cuda_only, zero_offload
+from .launch_line import fewer_processes
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
@@ -85,7 +87,6 @@ from .modeling import (
 )
 from .quiet import scoped
 from .resume import batch_split, check_against, needs_universal
-from .runtime import check_deepspeed_config
 from .task import Task
 from .theory import (
     BYTES_PER_PARAM,

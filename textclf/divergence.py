@@ -1,12 +1,9 @@
-"""A diverged run stops before it saves: a loss or gradient norm that is not finite, or weights that are not,
-end the run with one line that names the step, the likely cause and the last good checkpoint, so that no
-checkpoint of NaN weights is written (and none is evaluated or exported).
+"""A diverged run stops before it saves: a loss, gradient norm or weight that is not finite ends the run with one
+line naming the step, the likely cause and the last good checkpoint; no checkpoint of NaN weights is written.
 
-Watching makes no step wait for the device: each micro-batch's loss and each optimizer step's gradient norm
-fold into a number that stays on the device, read at the log lines (which wait for the loss anyway) and
-before every evaluation and save, where the weights are checked too. An optimizer step that the fp16 loss
-scaler skipped (an overflow: accelerate's GradScaler, DeepSpeed's loss scaler) is normal, not a divergence:
-nothing of it reached the weights.
+No step waits for the device: losses and gradient norms fold into a number kept there, read at the log lines
+(which wait for the loss anyway) and before every evaluation and save, where the weights are checked too. A step
+the fp16 loss scaler skipped (an overflow) is no divergence: nothing of it reached the weights.
 """
 
 from typing import Optional
@@ -14,9 +11,6 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-
-from .checkpoint import complete_checkpoints
-from .errors import InputError
 
 LOSS, GRAD_NORM = 1, 2  # what was not finite, as bits of the code kept per step: code = step * 4 + bits
 
@@ -31,9 +25,8 @@ class DivergenceWatch:
         self.step_bits = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the running step's
 
     def add(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor] = None) -> None:
-        """Fold one micro-batch's loss into optimizer step `step` (the one it counts towards) and, where its
-        gradients sync, that step's gradient norm (the clip's; DeepSpeed's own, read here), unless the loss
-        scaler skipped the step."""
+        """Fold one micro-batch's loss into optimizer step `step` and, where gradients sync, the step's gradient
+        norm (the clip's, or DeepSpeed's own), unless the loss scaler skipped the step."""
         self.step_bits |= (~torch.isfinite(loss.detach())).long() * LOSS
         if not self.accelerator.sync_gradients:
             return
@@ -47,9 +40,8 @@ class DivergenceWatch:
         self.step_bits = torch.zeros_like(self.step_bits)
 
     def check(self, step: int, model=None) -> None:
-        """Stop the run (InputError: one line, exit code 2) if any step until `step` diverged on any process, or,
-        given the `model`, if its weights are not finite: every process calls it at the same steps and stops
-        alike."""
+        """Stop the run (an InputError) if any step until `step` diverged on any process, or the `model`'s weights are
+        not finite: every process calls it at the same steps and stops alike."""
         weights_bad = torch.zeros((), dtype=torch.long, device=self.first.device)
         if model is not None:
             weights_bad = (~all_finite(model, self.first.device)).long()
@@ -63,19 +55,15 @@ class DivergenceWatch:
         if any(bad):
             raise self.diverged(f"step {step}: the weights it reached are not finite (NaN or inf)")
 
-    def diverged(self, where: str) -> InputError:
-        found = complete_checkpoints(self.output_dir)
-        # A resume repeats the same steps (and refuses another --learning_rate): the remedy is a new run.
-        last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
-                     else "no checkpoint was saved before it")
-        clip = "" if self.clipping else " (or clip gradients with --max_grad_norm 1.0)"
-        return InputError(f"training diverged at {where}; the learning rate {self.learning_rate:g} is likely too high. "
-                          f"Nothing of it was saved: {last_good}; start a new run with a lower --learning_rate{clip}")
+    def diverged(self, where: str) -> Exception:
+        from .failure import diverged
+
+        return diverged(where, self.output_dir, self.learning_rate, self.clipping)
 
 
 def all_finite(model, device) -> torch.Tensor:
-    """Whether every weight this process holds is finite (a tensor on `device`, not read back): its partition
-    under ZeRO-3 (`ds_tensor`, perhaps in CPU memory) or FSDP (a DTensor's local shard), else the whole weight."""
+    """Whether every weight this process holds (its ZeRO-3 `ds_tensor` or FSDP shard, else the whole weight) is
+    finite, as a tensor on `device`, not read back."""
     flags = []
     for parameter in model.parameters():
         local = getattr(parameter, "ds_tensor", None)

@@ -7,11 +7,8 @@ from .task import Task
 
 
 def evaluate_model(model, loader, accelerator, task: Task) -> dict:
-    """The task's scores as eval_<key>, and eval_samples.
-
-    `gather_for_metrics` drops the samples that the last batch repeats to even out the shards, so
-    the count equals the eval set's size.
-    """
+    """The task's scores as eval_<key>, and eval_samples: the eval set's size (`gather_for_metrics` drops the
+    samples that the last batch repeats to even out the shards)."""
     predictions_all, references_all = [], []
     was_training = model.training
     model.eval()

@@ -1,11 +1,8 @@
-"""What a run changes in the process and its libraries, for the run alone: put back when it ends, however it ends,
-so that a second run in the same process (a notebook, a test) starts as the first did.
-
-Inside it, what the libraries say that a user cannot act on is silenced (TEXTCLF_VERBOSE=1 shows it as they say
-it), each by its message and the module that says it, never a whole category: library code calling another
-library's deprecated functions, DeepSpeed's lines about its own defaults, and the bars of transformers (loading
-and writing weights) and datasets (train.py's data stage shows the one that takes minutes). train.py's SIGTERM and
-SIGINT handlers are put back too.
+"""What a run changes in the process and its libraries, put back when it ends however it ends, so that a second run
+in the same process (a notebook, a test) starts as the first did: train.py's signal handlers, and the silence of
+what libraries say that a user cannot act on (TEXTCLF_VERBOSE=1 shows it), each by its message and module, never
+a whole category: deprecations inside libraries, DeepSpeed's lines about its defaults, transformers' and datasets'
+bars.
 """
 
 import functools
@@ -15,7 +12,7 @@ import threading
 import warnings
 from contextlib import ExitStack, contextmanager
 
-from .errors import actionable, verbose
+from .errors import verbose
 
 # (message, module the warning is attributed to), as regular expressions from the start. torch's deprecated
 # collectives warn from the wrapper that logs their failures (c10d_logger), at every call DeepSpeed's ZeRO-3 makes.
@@ -24,13 +21,15 @@ WARNINGS = (
     (r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),  # read by peft
     (r"fan_in_fan_out is set to False but the target module is `Conv1D`", r"peft\.tuners\.lora"),  # GPT-2's layers
 )
+# What DeepSpeed logs that a user cannot act on: every process of a machine without GPUs falls back to the CPU
+# accelerator, the only one; every rank resuming a ZeRO checkpoint was given no model-parallel unit (none is used).
+DEEPSPEED_LINES = ("Setting accelerator to CPU", "MPU is not provided")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _open_scopes: list[ExitStack] = []  # the run scopes entered and not yet ended, innermost last
 
 
 def set_for_the_run(owner, name: str, value) -> None:
-    """`owner.name = value` until the innermost run scope ends, when the value it had is put back (outside a
-    scope, for good): a library setting that a run changes (TF32, dynamo's recompile limit)."""
+    """`owner.name = value` until the innermost run scope ends (outside one, for good): TF32, dynamo's limits."""
     if _open_scopes:
         _open_scopes[-1].callback(setattr, owner, name, getattr(owner, name))
     setattr(owner, name, value)
@@ -38,7 +37,7 @@ def set_for_the_run(owner, name: str, value) -> None:
 
 @contextmanager
 def run_scope():
-    """The scope of one run (or one command): see the module's docstring."""
+    """The scope of one run (or one command)."""
     with ExitStack() as restore:
         _open_scopes.append(restore)
         restore.callback(_open_scopes.remove, restore)
@@ -82,3 +81,8 @@ def progress_bars_off():
             transformers_logging.enable_progress_bar()
         if datasets_on:
             datasets.enable_progress_bars()
+
+
+def actionable(record: logging.LogRecord) -> bool:
+    """A filter on DeepSpeed's logger: False for DEEPSPEED_LINES."""
+    return verbose() or not record.getMessage().startswith(DEEPSPEED_LINES)

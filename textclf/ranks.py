@@ -1,9 +1,12 @@
 """What a rank other than the one that failed does under a launch of several processes: it tells a collective that
 failed because another rank ended from a failure of its own, and, when it meets the same error as rank 0, keeps
 quiet until the launcher stops it, so that the user reads the error once. Imported only under such a launch, when
-something has failed (textclf/errors.py).
+something has failed (textclf/errors.py), and under torchrun: a rank ends with its launcher, and leaves its error in
+the file the launcher reports from.
 """
 
+import ctypes
+import json
 import os
 import re
 import signal
@@ -39,3 +42,24 @@ def wait_to_be_stopped() -> None:
     if errors.stop_signals:  # the launcher's SIGTERM came first, to train.py's handler: it ends this rank now
         os.kill(os.getpid(), signal.Signals[errors.stop_signals[0]])
     time.sleep(QUIET_RANK_WAIT_S)
+
+
+def die_with_launcher() -> None:
+    """errors.die_with_launcher: torchrun starts each rank in a session of its own and stops them when it is stopped
+    (SIGTERM, SIGINT, `timeout`), but a launcher killed outright (SIGKILL, the OOM killer) stops nothing: its ranks
+    would train on, unseen, into the same output_dir. The kernel kills them instead (PR_SET_PDEATHSIG). A plain
+    `python train.py` keeps running when its shell exits (nohup)."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+    if os.getppid() != parent:  # the launcher ended before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_error_file(lines: str) -> None:
+    """The error in torch's error-file format for a message without a traceback (its ErrorHandler always adds one),
+    which the launcher's report quotes as the root cause."""
+    try:
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as f:
+            json.dump({"message": lines, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the launcher's report then points to torch's docs instead; the error line still says it

@@ -163,7 +163,7 @@ def restore(accelerator: Accelerator, optimizer, scheduler, start: Start, cfg: T
     refuse_pickle_unless_allowed(path, position, cfg.allow_pickle)
     best = position.get("best")
     if best and cfg.load_best_model_at_end:
-        from .cadence import find_best_checkpoint
+        from .best_model import find_best_checkpoint
 
         find_best_checkpoint(best, cfg.output_dir)  # not at the end: the run could not export it
     check_resume(accelerator, path, position, gradient_accumulation_steps=cfg.gradient_accumulation_steps,

@@ -1,14 +1,11 @@
 """The Accelerator for the hardware at hand, and the facts about a run worth recording."""
 
 import contextlib
-import copy
 import io
-import json
 import logging
 import math
 import os
 import platform
-import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
@@ -19,28 +16,21 @@ from accelerate.utils import DistributedType, DynamoBackend
 from . import tracking
 from .config import TrainConfig
 from .errors import InputError, exit_now, verbose
-from .launch import read_deepspeed_file, zero_offload
+from .launch import zero_offload
 from .quiet import set_for_the_run
 
 
 def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelerator:
-    """One Accelerator for every zoo file, on GPUs and on a CPU-only machine alike. `load_universal`: ZeRO's
-    states are to be loaded from DeepSpeed's universal checkpoint (a resume on another number of processes).
-
-    Without CUDA, a DDP yaml needs `cpu=True` to form a gloo process group (otherwise each rank
-    runs alone), while DeepSpeed needs `cpu=False` and an explicit gloo backend (`cpu=True` would
-    switch DeepSpeed off and silently run plain DDP).
-    """
+    """One Accelerator for every zoo file, on GPUs and CPUs alike. `load_universal`: ZeRO's states come from
+    DeepSpeed's universal checkpoint (a resume on another number of processes). Without CUDA, DDP needs `cpu=True`
+    to form a gloo group (else each rank runs alone), DeepSpeed `cpu=False` and gloo (`cpu=True` would run DDP)."""
     has_cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if deepspeed and ds_file != "none":  # before anything is built: DeepSpeed itself reads it only at prepare()
-        check_deepspeed_config(read_deepspeed_file(ds_file), ds_file)
-    if deepspeed and not has_cuda:
-        from .deepspeed_ops import load_deepspeed_ops
+    if deepspeed:
+        from .deepspeed_config import before_the_accelerator
 
-        load_deepspeed_ops(["ShareMemCommBuilder"])  # what deepspeed.comm loads on a CPU, when the Accelerator starts
+        before_the_accelerator(has_cuda)
     with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints "... built successfully" per rank
         accelerator = Accelerator(
             cpu=not has_cuda and not deepspeed,
@@ -50,40 +40,24 @@ def make_accelerator(cfg: TrainConfig, load_universal: bool = False) -> Accelera
             step_scheduler_with_optimizer=False,
             log_with=tracking.trackers(cfg.report_to, cfg.output_dir, cfg.project_name, cfg.run_name),
             project_dir=cfg.output_dir,
-            # Per-epoch shuffles that depend on (seed, epoch) only: what makes resume replay the data order.
-            # On a GPU, batches (pinned by the loaders) are copied without the host waiting for the device:
-            # a blocking copy would wait for the previous step to finish before the next could be queued.
+            # Shuffles of (seed, epoch) alone: a resume replays the data order. On a GPU, pinned batches are copied
+            # without the host waiting for the previous step to finish.
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
                                                       non_blocking=has_cuda),
             kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed and not has_cuda else [],
         )
     print("".join(line for line in said.getvalue().splitlines(keepends=True)
                   if verbose() or not line.endswith("built successfully\n")), end="")
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping") == "auto":
-        # Accelerate would fill "auto" with 1.0; the training config is the one source of truth.
-        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
-    if plugin is not None and load_universal:
-        plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    if plugin is not None and zero_offload(plugin.deepspeed_config.get("zero_optimization", {}))["optimizer"] != "none":
-        from .deepspeed_ops import load_deepspeed_ops
+    if accelerator.state.deepspeed_plugin is not None:
+        from .deepspeed_config import complete_the_plugin
 
-        load_deepspeed_ops(["CPUAdamBuilder"])  # DeepSpeedCPUAdam, which accelerate swaps in at prepare()
+        complete_the_plugin(accelerator.state.deepspeed_plugin, cfg.max_grad_norm, load_universal)
     return accelerator
 
 
 def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator) -> dict:
-    """TF32, Liger's kernels and torch.compile as --tf32, --use_liger_kernel and --torch_compile ask (None: auto),
-    applied to `model` in place before `accelerator.prepare`; what was applied, for run.json.
-
-    The repeated blocks are compiled in place (layer_options.compile_blocks, `nn.Module.compile`): the modules and their
-    state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
-    Shapes are static, each batch length padded up to one of at most 8 buckets (padding_multiple): each shape's
-    kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit
-    (with dynamic shapes the kernels are tuned to the first length seen). A launch's dynamo settings (backend, mode,
-    fullgraph, dynamic) are taken here, and accelerate's own compile of the whole model, which would rename every
-    weight `_orig_mod.*`, is turned off.
-    """
+    """TF32, Liger's kernels and torch.compile as their flags ask, applied to `model` in place before
+    `accelerator.prepare` (textclf/speedups.py); what was applied, for run.json."""
     settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
                              accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
     settings["padding_multiple"] = padding_multiple(cfg, accelerator)
@@ -95,47 +69,26 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
 
         apply_liger_kernel(model, None)
     if settings["torch_compile"]:
-        from .layer_options import compile_blocks
+        from .speedups import compile_model
 
-        # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
-        # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
-        set_for_the_run(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
-        compile_blocks(model, **settings["torch_compile"])
-        # Compiled here, once: prepare() must not compile the whole model again.
-        accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
-        CompileClock.start(accelerator.is_local_main_process)
+        compile_model(model, settings["torch_compile"], accelerator)
     return settings
 
 
 def resolve_speed(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dynamo_plugin,
                   model_type: Optional[str]) -> dict:
-    """{tf32, use_liger_kernel, torch_compile (torch.compile's keywords, or None)} for this run: the flags, with
-    auto (None) decided by the hardware, the launch and the model's family. A value the run cannot honour is
-    refused."""
-    launched = dynamo_plugin.backend != DynamoBackend.NO
+    """{tf32, use_liger_kernel, torch_compile (its keywords, or None)}: the flags, with auto (None) decided by the
+    hardware, the launch and the model's family; a value the run cannot honour is refused."""
     compile_kwargs = None
     if compiles(cfg, cuda, distributed_type, dynamo_plugin):
-        compile_kwargs = {"backend": "inductor", "dynamic": False}
-        if launched:
-            compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
-                                   if value is not None and key != "disable"})
-        if compile_kwargs["backend"] == "inductor":
-            # No kernel chosen by timing it where the choice changes the numerics: a resumed run compiles its
-            # kernels again and must pick the ones the run it continues picked. torch.compile takes a mode or
-            # options, not both: a mode becomes its options (the way torch.compile's documentation lists them).
-            from torch._inductor import list_mode_options
+        from .speedups import compile_options
 
-            mode = compile_kwargs.pop("mode", None) or "default"
-            compile_kwargs["options"] = {**list_mode_options(mode), "deterministic": True,
-                                         **compile_kwargs.get("options", {})}
-    covered = liger_covers(model_type)
-    liger = cfg.use_liger_kernel
-    if liger is None:
-        liger = cuda and bool(covered)
-    elif liger and not (cuda and covered):
-        why = ("needs a CUDA GPU (Triton kernels)" if not cuda else "needs liger-kernel: pip install -e '.[liger]'"
-               if covered is None else f"liger-kernel has no kernels for model type {model_type}")
-        raise InputError(f"--use_liger_kernel {why}")
+        compile_kwargs = compile_options(dynamo_plugin)
+    liger = False
+    if cfg.use_liger_kernel or (cfg.use_liger_kernel is None and cuda):
+        from .speedups import use_liger
+
+        liger = use_liger(cfg.use_liger_kernel, cuda, model_type)
     return {"tf32": cuda if cfg.tf32 is None else cfg.tf32 and cuda, "use_liger_kernel": liger,
             "torch_compile": compile_kwargs}
 
@@ -152,87 +105,11 @@ def compiles(cfg: TrainConfig, cuda: bool, distributed_type: DistributedType, dy
 
 
 def padding_multiple(cfg: TrainConfig, accelerator: Accelerator) -> Optional[int]:
-    """What each batch's length is padded up to a multiple of. Compiling: max_length / 8, rounded up to a multiple
-    of 8, so that lengths fall in at most 8 buckets, each compiled once. Otherwise 8 in 16-bit precision, the
-    multiple tensor cores take (run_glue_no_trainer pads the same way), and none in fp32."""
+    """What batch lengths are padded up to a multiple of: compiling, max_length / 8 rounded up to a multiple of 8
+    (at most 8 buckets, each compiled once); else 8 in 16-bit precision, tensor cores' multiple, and none in fp32."""
     if compiles(cfg, accelerator.device.type == "cuda", accelerator.distributed_type, accelerator.state.dynamo_plugin):
         return 8 * math.ceil(cfg.max_length / 64)
     return 8 if accelerator.mixed_precision != "no" else None
-
-
-def liger_covers(model_type: Optional[str]) -> Optional[bool]:
-    """Whether liger-kernel has kernels for this model type; None when liger-kernel is not installed."""
-    try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError:  # not installed, or installed without what it needs (triton)
-        return None
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
-
-
-class CompileClock:
-    """The seconds torch.compile spends compiling in the first step, said once, when that step's optimizer step
-    ends (torch's global optimizer hook).
-
-    Dynamo's compile callbacks (`torch._dynamo.callback_handler`, not in torch.compiler's public API) bracket every
-    compilation: the forward's, and the backward's where it is compiled lazily (a cache hit compiles it at once).
-    """
-
-    seconds, started, local_main, said = 0.0, None, False, None
-
-    @classmethod
-    def start(cls, local_main: bool) -> None:
-        cls.seconds, cls.started, cls.local_main = 0.0, None, local_main
-        handler = torch._dynamo.callback_handler
-        if cls.on_start not in handler.start_callbacks:
-            handler.register_start_callback(cls.on_start)
-            handler.register_end_callback(cls.on_end)
-        if cls.said is None:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            cls.said = register_optimizer_step_post_hook(cls.say)
-
-    @classmethod
-    def on_start(cls, args) -> None:
-        cls.started = time.perf_counter()
-
-    @classmethod
-    def on_end(cls, args) -> None:
-        if cls.started is not None:
-            cls.seconds += time.perf_counter() - cls.started
-            cls.started = None
-
-    @classmethod
-    def say(cls, optimizer, args, kwargs) -> None:
-        cls.said.remove()
-        cls.said = None
-        if cls.local_main:
-            print(f"torch.compile: the model's blocks compiled in {cls.seconds:.1f} s, in the first step "
-                  "(--torch_compile false runs without)", flush=True)
-
-
-def check_deepspeed_config(config: dict, place: str) -> None:
-    """Refuse now what DeepSpeed would refuse when its engine starts: a key it does not know or a value it does
-    not take in a section it models (zero_optimization, fp16, bf16, ...), e.g. "stage": 4 or "stagee".
-
-    DeepSpeed's own parsing of every section does the checking, with the "auto" values that accelerate fills
-    in at prepare() left out as DeepSpeed leaves them out.
-    """
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from pydantic import ValidationError
-
-    # DeepSpeedConfig's __init__ parses the sections (its private _initialize_params), then does batch-size
-    # arithmetic that needs the process group and the values accelerate has not filled in yet: only the first
-    # part runs here (test_oneline's DeepSpeed JSON tests fail if it changes).
-    parsed = object.__new__(DeepSpeedConfig)
-    try:
-        parsed._initialize_params(copy.deepcopy(config))
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(map(str, first["loc"]))
-        got = f" (got {json.dumps(first['input'], default=str)})" if first["type"] != "extra_forbidden" else ""
-        raise InputError(f"{place}: DeepSpeed refuses it: {e.title} {key}: {first['msg']}{got}") from None
-    except (ValueError, TypeError, AssertionError, KeyError) as e:
-        raise InputError(f"{place}: DeepSpeed refuses it: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def describe(accelerator: Accelerator, cfg: TrainConfig) -> dict:
@@ -262,17 +139,10 @@ def installed_version(package: str):
 
 
 def exit_finished_run() -> None:
-    """End the process of a finished distributed run (after `accelerator.end_training()`) without
-    interpreter teardown; a single process exits normally.
-
-    `end_training` destroys the process groups, but references to them survive it: DeepSpeed's
-    engine and optimizer, `_dp_group` on every parameter, `deepspeed.utils.groups`, and even in DDP
-    runs `group=WORLD` defaults bound when deepspeed.comm is imported. So gloo's C++ threads are
-    still running while the interpreter tears down, and one that touches Python then aborts the
-    finished run ("terminate called without an active exception", SIGABRT: `accelerate launch`
-    returns 1). Every file of the run is closed and every tracker finished by now: only the
-    teardown is skipped.
-    """
+    """End a finished distributed run's process (after `end_training`) without interpreter teardown: references
+    to the destroyed process groups survive (DeepSpeed's engine, `_dp_group` on every parameter, `group=WORLD`
+    defaults bound when deepspeed.comm is imported), so gloo's threads still run, and one that touches Python
+    aborts the finished run (SIGABRT: `accelerate launch` returns 1). Every file and tracker is closed by now."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()
         exit_now(0)

@@ -1,0 +1,113 @@
+"""torch.compile and Liger's kernels for a run that turns them on (by default, one on a CUDA GPU): imported by
+runtime.resolve_speed and runtime.speed_up only then.
+
+The repeated blocks are compiled in place (layer_options.compile_blocks, `nn.Module.compile`): the modules and their
+state_dict keys stay what they were, so checkpoints, the export and a resume without compiling are unchanged.
+Shapes are static, each batch length padded up to one of at most 8 buckets (runtime.padding_multiple): each shape's
+kernels are then the same whatever shape a run met first, which a resume needs to replay the run bit for bit (with
+dynamic shapes the kernels are tuned to the first length seen). A launch's dynamo settings (backend, mode,
+fullgraph, dynamic) are taken, and accelerate's own compile of the whole model, which would rename every weight
+`_orig_mod.*`, is turned off.
+"""
+
+import time
+from typing import Optional
+
+import torch
+from accelerate.utils import DynamoBackend
+
+from .errors import InputError
+from .quiet import set_for_the_run
+
+
+def compile_options(dynamo_plugin) -> dict:
+    """torch.compile's keywords for the blocks: static shapes on inductor, or the launch's dynamo settings."""
+    compile_kwargs = {"backend": "inductor", "dynamic": False}
+    if dynamo_plugin.backend != DynamoBackend.NO:
+        compile_kwargs.update({key: value for key, value in dynamo_plugin.to_kwargs().items()
+                               if value is not None and key != "disable"})
+    if compile_kwargs["backend"] == "inductor":
+        # No kernel chosen by timing it where the choice changes the numerics: a resumed run compiles its
+        # kernels again and must pick the ones the run it continues picked. torch.compile takes a mode or
+        # options, not both: a mode becomes its options (the way torch.compile's documentation lists them).
+        from torch._inductor import list_mode_options
+
+        mode = compile_kwargs.pop("mode", None) or "default"
+        compile_kwargs["options"] = {**list_mode_options(mode), "deterministic": True,
+                                     **compile_kwargs.get("options", {})}
+    return compile_kwargs
+
+
+def compile_model(model: torch.nn.Module, compile_kwargs: dict, accelerator) -> None:
+    from .layer_options import compile_blocks
+
+    # Each length bucket, batch size and mode (train, eval) of a block is a graph of its own; dynamo's default
+    # limit of 8 would run the rest eagerly, differently from a run that met them in another order.
+    set_for_the_run(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
+    compile_blocks(model, **compile_kwargs)
+    # Compiled here, once: prepare() must not compile the whole model again.
+    accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+    CompileClock.start(accelerator.is_local_main_process)
+
+
+def use_liger(asked: Optional[bool], cuda: bool, model_type: Optional[str]) -> bool:
+    """--use_liger_kernel (None: auto, on where CUDA and liger-kernel cover the model's family); refused where
+    asked for and it cannot apply."""
+    covered = liger_covers(model_type)
+    if asked is None:
+        return cuda and bool(covered)
+    if not (cuda and covered):
+        why = ("needs a CUDA GPU (Triton kernels)" if not cuda else "needs liger-kernel: pip install -e '.[liger]'"
+               if covered is None else f"liger-kernel has no kernels for model type {model_type}")
+        raise InputError(f"--use_liger_kernel {why}")
+    return True
+
+
+def liger_covers(model_type: Optional[str]) -> Optional[bool]:
+    """Whether liger-kernel has kernels for this model type; None when liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:  # not installed, or installed without what it needs (triton)
+        return None
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+class CompileClock:
+    """The seconds torch.compile spends compiling in the first step, said once, when that step's optimizer step
+    ends (torch's global optimizer hook).
+
+    Dynamo's compile callbacks (`torch._dynamo.callback_handler`, not in torch.compiler's public API) bracket every
+    compilation: the forward's, and the backward's where it is compiled lazily (a cache hit compiles it at once).
+    """
+
+    seconds, started, local_main, said = 0.0, None, False, None
+
+    @classmethod
+    def start(cls, local_main: bool) -> None:
+        cls.seconds, cls.started, cls.local_main = 0.0, None, local_main
+        handler = torch._dynamo.callback_handler
+        if cls.on_start not in handler.start_callbacks:
+            handler.register_start_callback(cls.on_start)
+            handler.register_end_callback(cls.on_end)
+        if cls.said is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            cls.said = register_optimizer_step_post_hook(cls.say)
+
+    @classmethod
+    def on_start(cls, args) -> None:
+        cls.started = time.perf_counter()
+
+    @classmethod
+    def on_end(cls, args) -> None:
+        if cls.started is not None:
+            cls.seconds += time.perf_counter() - cls.started
+            cls.started = None
+
+    @classmethod
+    def say(cls, optimizer, args, kwargs) -> None:
+        cls.said.remove()
+        cls.said = None
+        if cls.local_main:
+            print(f"torch.compile: the model's blocks compiled in {cls.seconds:.1f} s, in the first step "
+                  "(--torch_compile false runs without)", flush=True)
