@@ -59,13 +59,13 @@ def test_repeated_rows_report_their_median_run():
 @pytest.mark.slow
 def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
     result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--repeats", "2",
-                             "--only", "single_small,plain_pytorch_small",
+                             "--only", "single,plain_pytorch",  # the cheaper of --quick's two jobs
                              "--data", str(reviews_csv), "--output_dir", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE})
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
 
     rows = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text(encoding="utf-8"))}
-    assert set(rows) == {"single_small", "plain_pytorch_small"}
+    assert set(rows) == {"single", "plain_pytorch"}
     for name, row in rows.items():
         assert len(row["steps_per_s_runs"]) == 2 and row["steps_per_s"] in row["steps_per_s_runs"], name
         assert all((tmp_path / "runs" / f"round_{k}" / name / "log.jsonl").exists() for k in (1, 2)), name
@@ -132,50 +132,3 @@ def test_the_plain_loop_autocasts_in_bf16_when_asked(tmp_path, reviews_csv, cach
     fp32, bf16 = plain_loop(tmp_path / "fp32"), plain_loop(tmp_path / "bf16", "--mixed_precision", "bf16")
     assert fp32.keys() == bf16.keys() == {1, 2, 3}
     assert fp32 != bf16 and all(abs(fp32[step] - bf16[step]) < 0.05 for step in fp32)
-
-
-def test_the_decoder_job_reads_the_check_s_figures():
-    from benchmarks.decoder import check_figure
-
-    output = ("model states (ZeRO paper)\nmemory per rank     3.70 GiB\n"
-              "peak per rank       812.5 MiB  (activations ...)\n")
-    assert check_figure("memory per rank", output) == 3.7
-    assert check_figure("peak per rank", output) == 0.79
-    assert check_figure("peak per rank", "error: ...") is None
-
-
-@pytest.mark.slow
-def test_the_decoder_job_measures_each_rank_beside_the_check(tmp_path, reviews_csv):
-    """One layer of Qwen2.5-0.5B's width (its 151,936-token embedding: 150M parameters) under ZeRO-3."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.decoder", "--output_dir", str(tmp_path), "--layers", "1",
-                             "--data", str(reviews_csv), "zero3.yaml"],
-                            cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    run = json.loads((tmp_path / "results.json").read_text())["zero3.yaml"]
-    assert run["exit_code"] == 0 and run["stopped"] is None and len(run["losses"]) == 2
-    assert len(run["peak_gib_per_rank"]) == 2 and all(peak > 0.5 for peak in run["peak_gib_per_rank"])
-    assert run["theory_gib"] > 0 and run["predicted_gib"] > run["theory_gib"]
-    assert "zero3.yaml" in result.stdout.splitlines()[-1]
-
-
-@pytest.mark.slow
-def test_the_steady_state_job_runs_every_row_at_tiny_shapes_on_texts_that_fill_max_length(tmp_path, reviews_csv):
-    """benchmarks/steady.py, as a CPU runs it: both jobs (a decoder and a BERT), train.py, the plain loop and the
-    Trainer with train.py's settings and with its speed flags, every batch full, the warm-up steps left out."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.steady", "--output_dir", str(tmp_path),
-                             "--data", str(reviews_csv)], cwd=REPO, capture_output=True, text=True, timeout=2400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "steady.json").read_text(encoding="utf-8"))
-    assert (report["steps"], report["warmup_steps"]) == (4, 2)
-    assert [job["job"] for job in report["jobs"]] == ["decoder_tiny", "bert_tiny"]
-    for job in report["jobs"]:
-        rows = {row["name"]: row for row in job["rows"]}
-        assert list(rows) == ["train.py", "plain_pytorch", "hf_trainer", "hf_trainer_fast"]
-        for row in rows.values():
-            assert row["status"] == "ok" and row["real_token_fraction"] == 1.0, row  # every text fills max_length
-            assert row["ms_per_step"] > 0 and 0 < row["model_flops_per_s"] < job["matmul_limit_flops_per_s"]
-            assert len(row["step_seconds"]) == 2  # steps 3 and 4: the first 2 left out
-        assert rows["train.py"]["speed"]["torch_compile"] is None  # a CPU stays eager by default
-    table = (tmp_path / "steady.md").read_text(encoding="utf-8")
-    assert "4 optimizer steps per row, the first 2 left out" in table
-    assert table.count("| hf_trainer_fast |") == 2 and "train.py runs at" in table

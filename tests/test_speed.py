@@ -19,7 +19,7 @@ from conftest import (
     losses,
     read_csv,
     run_sync_probe,
-    run_train,
+    train_forked,
     write_csv,
 )
 from textclf.config import TrainConfig, parse_config
@@ -142,18 +142,20 @@ def test_full_batches_wait_for_the_device_at_log_lines_only(tmp_path, long_revie
 def test_a_compiled_run_on_a_cpu_resumes_bitwise_and_exports_the_eager_keys(tmp_path, reviews_csv, cache_dir):
     run = [*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--max_steps", 4, "--save_steps", 2,
            "--torch_compile", "true"]
-    full = run_train([*run, "--output_dir", tmp_path / "full"])
+    # One process each, forked after the imports (conftest.train_forked): what is tested is the compiled run, not
+    # the interpreter's start.
+    full = train_forked([*run, "--output_dir", tmp_path / "full"], config_file=None)
     assert full.stdout.count("torch.compile: the model's blocks compiled in") == 1, full.stdout[-2000:]
     ran = json.loads((tmp_path / "full" / "run.json").read_text(encoding="utf-8"))["speed"]
     assert ran["torch_compile"] == {"backend": "inductor", "dynamic": False, "options": {"deterministic": True}}
     assert ran["padding_multiple"] == 8
-    run_train(["--resume", tmp_path / "full" / "step_2", "--output_dir", tmp_path / "resumed"])
+    train_forked(["--resume", tmp_path / "full" / "step_2", "--output_dir", tmp_path / "resumed"], config_file=None)
     expected, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert [got[step] for step in (3, 4)] == [expected[step] for step in (3, 4)]
     reference, final = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("full", "resumed"))
     assert reference.keys() == final.keys() and all(reference[key].equal(final[key]) for key in reference)
     # The checkpoint and the export name the weights as an eager run does: no _orig_mod anywhere.
-    eager = run_train([*run[:-2], "--max_steps", 1, "--output_dir", tmp_path / "eager"])
+    eager = train_forked([*run[:-2], "--max_steps", 1, "--output_dir", tmp_path / "eager"], config_file=None)
     assert "torch.compile" not in eager.stdout
     assert load_file(tmp_path / "eager" / "model" / "model.safetensors").keys() == reference.keys()
     assert load_file(tmp_path / "full" / "step_2" / "model.safetensors").keys() == reference.keys()
