@@ -25,8 +25,8 @@ With --repeats N, the rows run N rounds, alternating, so that a slow spell of th
 every row alike; each row shows its run of median speed, beside the speeds of all its runs.
 
 Writes DIR/bench.md (tables), DIR/bench.json (a list of rows), DIR/bench.png (throughput and
-memory per strategy), and DIR/runs/<row>/ (each run's log.jsonl and console output; with
---repeats, DIR/runs/round_<k>/<row>/).
+memory per strategy), and DIR/runs/<row>/ (each run's log.jsonl; its console output beside it in
+<row>.console.log; with --repeats, under DIR/runs/round_<k>/).
 """
 
 import argparse

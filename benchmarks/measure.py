@@ -185,10 +185,12 @@ def run_row(row: dict, job: BenchJob, files: tuple[str, str], shape: dict, runs_
     output_dir = runs_dir / row["name"]
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
+    # Beside the row's folder, not in it: train.py's --overwrite_output_dir would move it aside with the folder.
+    console = runs_dir / f"{row['name']}.console.log"
     cmd = command(row, train_args(job, files, row["processes"], output_dir))
     print(f"[bench] {row['name']}: {' '.join(cmd[1:])}", flush=True)
     result = {**row, "model": job.model, "command": " ".join(["python", *cmd[1:]]),
-              **run_sampled(cmd, output_dir / "console.log", ROW_TIMEOUT_S)}
+              **run_sampled(cmd, console, ROW_TIMEOUT_S)}
     result.pop("gpu_busy_samples")  # the steady-state job reads them (benchmarks/steady.py)
     result["peak_rss_mb"] = max(result["peak_rss_mb_per_rank"])
     if result["peak_device_mb_per_rank"] is not None:
@@ -205,7 +207,7 @@ def run_row(row: dict, job: BenchJob, files: tuple[str, str], shape: dict, runs_
             raise TimeoutError(f"stopped after {ROW_TIMEOUT_S} s")
         result.update(read_log(output_dir / "log.jsonl", result["launched_at"], job.global_batch, job.warmup_steps))
     except (TimeoutError, OSError, StopIteration, IndexError, KeyError, ZeroDivisionError, json.JSONDecodeError) as e:
-        tail = (output_dir / "console.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+        tail = console.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
         result.update(status="failed", reason=f"exit {result['exit_code']}, no complete log ({type(e).__name__} {e}): "
                                               + " | ".join(tail))
         return result

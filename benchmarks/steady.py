@@ -19,7 +19,8 @@ of the matmul rate measured in the same run (bf16's on a GPU), peak GPU memory (
 included) and the share of time the GPU was busy (nvidia-smi's utilization, sampled over the steady steps). The
 first `--warmup_steps` steps are left out: they compile, allocate and autotune.
 
-Writes DIR/steady.md and DIR/steady.json; each row's log.jsonl and console output in DIR/runs/<job>/<row>/.
+Writes DIR/steady.md and DIR/steady.json; each row's log.jsonl in DIR/runs/<job>/<row>/, its console output
+beside it in <row>.console.log.
 """
 
 import argparse
@@ -110,16 +111,18 @@ def run_row(row: str, job: BenchJob, files: tuple[str, str], shape: dict, runs_d
     output_dir = runs_dir / row
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
+    # Beside the row's folder, not in it: train.py's --overwrite_output_dir would move it aside with the folder.
+    console = runs_dir / f"{row}.console.log"
     what, baseline = ROWS[row]
     spec = {"baseline": baseline, "train_args": ["--mixed_precision", "bf16" if cuda else "no"]}
     cmd = command(spec, train_args(job, files, 1, output_dir))
     print(f"[steady] {row}{job.suffix}: {' '.join(cmd[1:])}", flush=True)
     result = {"name": row, "what": what, "command": " ".join(["python", *cmd[1:]]),
-              **run_sampled(cmd, output_dir / "console.log", ROW_TIMEOUT_S)}
+              **run_sampled(cmd, console, ROW_TIMEOUT_S)}
     try:
         result.update(read_log(output_dir / "log.jsonl", result["launched_at"], job.global_batch, job.warmup_steps))
     except (OSError, StopIteration, IndexError, KeyError, ZeroDivisionError, json.JSONDecodeError) as e:
-        tail = (output_dir / "console.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+        tail = console.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
         return {**result, "status": "failed", "reason": f"exit {result['exit_code']} ({type(e).__name__} {e}): "
                                                           + " | ".join(tail)}
     with open(output_dir / "log.jsonl", encoding="utf-8") as f:

@@ -33,6 +33,11 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
         for key in NUMBERS:
             assert isinstance(row[key], (int, float)) and row[key] >= 0, (row["name"], key, row.get(key))
         assert row["processes"] >= 1 and len(row["peak_rss_mb_per_rank"]) == row["processes"], row["name"]
+        # The console output stays where the docs say, beside the row's folder (train.py's --overwrite_output_dir
+        # moves what is inside it aside), with the row's log.jsonl in the folder.
+        assert (tmp_path / "runs" / f"{row['name']}.console.log").stat().st_size > 0, row["name"]
+        assert (tmp_path / "runs" / row["name"] / "log.jsonl").is_file(), row["name"]
+    assert not [path.name for path in (tmp_path / "runs").iterdir() if ".replaced-" in path.name]
     for row in rows:
         assert row["status"] in ("ok", "skipped"), (row["name"], row.get("reason"))
         if row["status"] == "skipped":
