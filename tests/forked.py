@@ -126,8 +126,11 @@ def run_forked(args, num_processes, config_file, launch_args=(), env=None, timeo
     failed = failed or next((process for process in ranks if process.exitcode != 0), None)
     read = [[Path(f"{outputs}.{rank}{suffix}") for rank in range(num_processes)] for suffix in (".out", ".err")]
     stdout, stderr = ("".join(path.read_text(encoding="utf-8", errors="replace") for path in paths) for paths in read)
+    tails = [path.read_text(encoding="utf-8", errors="replace").splitlines()[-8:] for path in read[1]]
     shutil.rmtree(outputs.parent)
-    if timed_out:
-        raise subprocess.TimeoutExpired(["forked train.py", *map(str, args)], timeout, stdout, stderr)
+    if timed_out:  # where each rank was when it was stopped: the last lines of its output
+        error = subprocess.TimeoutExpired(["forked train.py", *map(str, args)], timeout, stdout, stderr)
+        error.add_note("\n".join(f"rank {rank}'s last lines: {' | '.join(tail)}" for rank, tail in enumerate(tails)))
+        raise error
     return subprocess.CompletedProcess(["forked train.py", *map(str, args)], failed.exitcode if failed else 0,
                                        stdout, stderr)
