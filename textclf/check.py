@@ -67,7 +67,7 @@ if __name__ == "__main__":
 
 import torch
 
-from .checkpoint import find_resume_checkpoint, read_verified_position
+from .checkpoint import read_verified_position
 from .data import sample_key
 from .deepspeed_config import check_deepspeed_config, deepspeed_conflicts
 from .job import load_data
@@ -87,6 +87,7 @@ from .modeling import (
 )
 from .quiet import scoped
 from .resume import batch_split, check_against, needs_universal
+from .start import find_checkpoint
 from .task import Task
 from .theory import (
     BYTES_PER_PARAM,
@@ -405,7 +406,7 @@ def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
     folder)."""
     if not cfg.resume:
         return None
-    path = find_resume_checkpoint(cfg.resume, cfg.output_dir, cfg.overwrite_output_dir)  # as train.py finds it
+    path = find_checkpoint(cfg)  # as train.py finds it
     return (path, read_verified_position(path)) if path else None
 
 
