@@ -113,8 +113,10 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
 
         path = checkpoint.save_checkpoint(accelerator, cfg.output_dir, state, describe_model)
         if accelerator.is_main_process and cfg.save_total_limit:
-            checkpoint.rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, start.checkpoint,
-                              task.greater_is_better(cfg.metric_for_best_model))
+            from textclf.rotation import rotate
+
+            rotate(cfg.output_dir, cfg.save_total_limit, cfg.metric_for_best_model, start.checkpoint,
+                   task.greater_is_better(cfg.metric_for_best_model))
         return path
 
     step, metrics, best = fit(cfg, accelerator, model, optimizer, scheduler, train_loader, eval_loader, task,

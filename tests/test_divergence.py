@@ -11,9 +11,10 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY, assert_refused, train_forked
-from textclf.checkpoint import complete, complete_checkpoints, rotate
+from textclf.checkpoint import complete, complete_checkpoints
 from textclf.divergence import DivergenceWatch
 from textclf.errors import InputError
+from textclf.rotation import rotate
 
 NAN, INF = torch.tensor(math.nan), torch.tensor(math.inf)
 

@@ -267,7 +267,7 @@ def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_s
     # deleting a checkpoint, whatever the machine's load, instead of racing a kill from outside.
     killed_mid_deletion = (
         "import os, signal, sys\n"
-        "from textclf.checkpoint import rotate\n"
+        "from textclf.rotation import rotate\n"
         "unlink, deleted = os.unlink, []\n"
         "def unlink_then_die(*args, **kwargs):\n"
         "    unlink(*args, **kwargs)\n"
@@ -292,9 +292,10 @@ def test_a_deletion_or_lock_that_fails_is_one_line_and_leaves_the_checkpoint_who
     """Rotation, a leftover's removal and the output folder's lock fail as one line, not a traceback."""
     import errno
 
-    from textclf.checkpoint import complete_checkpoints, rotate, take_lock
+    from textclf.checkpoint import complete_checkpoints, take_lock
     from textclf.errors import InputError
     from textclf.leftovers import remove_leftovers
+    from textclf.rotation import rotate
 
     for step in (1, 2):
         (tmp_path / f"step_{step}").mkdir()
@@ -443,8 +444,7 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
         assert_refused(result, f"cannot export the model to {out / 'model'}")
         assert "--resume latest" in error_lines(result.stderr)[0]
         assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.jsonl", "log.jsonl", "run.json", "step_2"]
-        from textclf.checkpoint import read_position
-        from textclf.integrity import verify_files
+        from textclf.integrity import read_position, verify_files
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
 
 

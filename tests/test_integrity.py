@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from textclf.checkpoint import POSITION, read_position, read_verified_position, sealed
+from textclf.checkpoint import POSITION, sealed
 from textclf.errors import InputError
-from textclf.integrity import verify_checkpoint, verify_files
+from textclf.integrity import read_position, read_verified_position, verify_checkpoint, verify_files
 from textclf.loading import load_trained
 
 # A file of each kind: the weights, the optimizer's moments, the scheduler, an RNG state, the tokenizer.

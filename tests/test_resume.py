@@ -242,7 +242,7 @@ def test_rotation_keeps_the_newest_and_the_best_and_resume_from_the_best_works(t
 
 
 def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_path):
-    from textclf.checkpoint import rotate
+    from textclf.rotation import rotate
 
     for step, f1 in [(10, 0.9), (20, 0.5), (30, 0.6), (40, 0.7), (50, 0.4)]:
         (tmp_path / f"step_{step}").mkdir()

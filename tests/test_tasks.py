@@ -286,7 +286,7 @@ def test_the_best_model_and_patience_follow_the_tasks_direction():
 
 
 def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
-    from textclf.checkpoint import rotate
+    from textclf.rotation import rotate
 
     for step, mse in [(10, 0.5), (20, 0.2), (30, 0.9), (40, 0.7)]:
         (tmp_path / f"step_{step}").mkdir()

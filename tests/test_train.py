@@ -136,6 +136,8 @@ ONLY_WHEN_NEEDED = {
     "textclf.flag_hints": "the option meant by an unknown key",
     "textclf.best_model": "the best checkpoint (--load_best_model_at_end)",
     "textclf.default_corpus": "the default data, built by the run that finds it missing",
+    "textclf.rotation": "checkpoints deleted: past --save_total_limit, or a step's old one that a rerun replaces",
+    "textclf.overwrite": "--overwrite_output_dir over a previous run: moved aside",
 }
 
 

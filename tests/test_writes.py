@@ -84,7 +84,8 @@ def test_links_in_place_of_a_step_folder_and_its_temporary_folder_are_replaced(t
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.checkpoint import read_verified_position, save_checkpoint
+    from textclf.checkpoint import save_checkpoint
+    from textclf.integrity import read_verified_position
 
     out = tmp_path / "out"
     plant(out / ".incomplete_step_2", victim / "folder")

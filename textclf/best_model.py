@@ -7,7 +7,7 @@ from typing import Optional
 
 from accelerate import Accelerator
 
-from .checkpoint import POSITION, checkpoint_folder, read_verified_position, write_json
+from .checkpoint import POSITION, checkpoint_folder, write_json
 from .errors import InputError, checked_on_main_process
 from .task import format_score
 
@@ -47,7 +47,7 @@ def load_best(accelerator: Accelerator, best: dict, step: int, output_dir: str) 
     run.json which step they are from, and return their evaluation."""
     checkpoint = find_best_checkpoint(best, output_dir) if best["step"] != step else None
     if checkpoint:
-        from .integrity import verify_checkpoint
+        from .integrity import read_verified_position, verify_checkpoint
 
         checked_on_main_process(accelerator, lambda: verify_checkpoint(checkpoint, read_verified_position(checkpoint)))
         accelerator.load_state(checkpoint)

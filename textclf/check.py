@@ -67,7 +67,6 @@ if __name__ == "__main__":
 
 import torch
 
-from .checkpoint import read_verified_position
 from .data import sample_key
 from .deepspeed_config import check_deepspeed_config, deepspeed_conflicts
 from .job import load_data
@@ -406,6 +405,8 @@ def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
     folder)."""
     if not cfg.resume:
         return None
+    from .integrity import read_verified_position
+
     path = find_checkpoint(cfg)  # as train.py finds it
     return (path, read_verified_position(path)) if path else None
 

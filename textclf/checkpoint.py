@@ -51,39 +51,12 @@ def write_json(path: str, obj, advice: str = "free space or make the folder writ
         json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
-def read_position(checkpoint: str) -> dict:
-    path = os.path.join(checkpoint, POSITION)
-    if not os.path.isdir(checkpoint):
-        raise InputError(f"checkpoint not found: {checkpoint}")
-    if not os.path.isfile(path):
-        raise InputError(f"{checkpoint} is not a complete checkpoint: it has no {POSITION} "
-                         "(expected a step_<N>/ folder written by train.py)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            position = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path} is unreadable: {e}") from None
-    if not isinstance(position, dict):
-        raise InputError(f"{path} is not a JSON object; resume from another checkpoint")
-    return position
-
-
 def sealed(position: dict) -> dict:
     """position with a sha256 of its other fields, so that a changed byte in position.json is seen too."""
     fields = {key: value for key, value in position.items() if key != "sha256"}
     # Hashed as JSON reads it back: int keys become strings, tuples lists, and the checksum still matches.
     text = json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False)
     return {**fields, "sha256": hashlib.sha256(text.encode()).hexdigest()}
-
-
-def read_verified_position(checkpoint: str) -> dict:
-    """read_position, refusing a position.json whose fields are not the ones saved (its own sha256 differs).
-    One written before positions carried a sha256 has none to check (verify_files says so)."""
-    position = read_position(checkpoint)
-    if "sha256" in position and sealed(position)["sha256"] != position["sha256"]:
-        raise InputError(f"cannot load checkpoint {checkpoint}: {POSITION} is not the file that was saved (its sha256 "
-                         "differs); use another checkpoint")
-    return position
 
 
 def checkpoint_folder(output_dir: str, step: int) -> str:
@@ -237,22 +210,17 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
             raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "
                              "start again to choose among them")
         if overwrite and inside:  # --resume <a checkpoint of it>: only the checkpoints after it go aside
-            from .resume import later_checkpoints, move_aside
+            from .overwrite import move_aside
+            from .resume import later_checkpoints
 
             move_aside(output_dir, later_checkpoints(output_dir, resume_from))
         elif overwrite and set(os.listdir(output_dir)) - {LOCK}:
-            aside = aside_folder(output_dir)
-            try:
-                os.rename(output_dir, aside)  # the lock moves with it, still held, until the new one is taken
-            except OSError as e:
-                raise InputError(f"--overwrite_output_dir: cannot move the previous run in {output_dir} aside to "
-                                 f"{aside} ({e.strerror}); move or delete it yourself") from None
-            os.makedirs(output_dir, exist_ok=True)  # another run may have made it meanwhile: the lock decides
+            from .overwrite import move_run_aside
+
+            move_run_aside(output_dir)  # the lock moves with it, still held, until the new one is taken
             take_lock(output_dir)
             _held_locks.remove(lock_file)
             lock_file.close()
-            print(f"--overwrite_output_dir: moved the previous run in {output_dir} aside to {aside} (delete it "
-                  "when you no longer need it)")
         if any(name.startswith(LEFTOVERS) for name in os.listdir(output_dir)):
             from .leftovers import remove_leftovers
 
@@ -260,11 +228,6 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
             print(f"removed what an interrupted run left in {output_dir}: {', '.join(removed)}")
 
     checked_on_main_process(accelerator, claim)
-
-
-def aside_folder(output_dir: str) -> str:
-    """Where --overwrite_output_dir moves what it replaces."""
-    return f"{os.path.normpath(output_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def take_lock(output_dir: str):
@@ -324,21 +287,6 @@ def is_current(lock_file, path: str) -> bool:
     return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
 
 
-def delete_folder(path: str) -> None:
-    """Delete a checkpoint folder through a rename first, so a kill mid-way never leaves a half-deleted
-    folder under a checkpoint's name."""
-    parent, name = os.path.split(os.path.normpath(path))
-    doomed = os.path.join(parent, DELETING + name)
-    try:  # a link in place of a checkpoint is removed as a link, never walked into (textclf/files.py)
-        with contextlib.suppress(OSError):
-            files.remove(doomed)
-        os.rename(path, doomed)
-        files.remove(doomed)
-    except OSError as e:
-        raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
-                           f"{doomed}, which the next start removes), then continue with --resume latest") from None
-
-
 def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, save_extra) -> str:
     """Collective: every rank calls it. Returns the checkpoint path.
 
@@ -370,6 +318,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
             save_extra(tmp)
             complete(tmp, position, advice)
             if os.path.lexists(final):  # a re-run of a step: the new one replaces the old in one rename
+                from .rotation import delete_folder
+
                 delete_folder(final)
             os.replace(tmp, final)
         except WRITE_ERRORS as e:
@@ -390,21 +340,3 @@ def new_checkpoint_folder(tmp: str, final: str, advice: str) -> None:
         files.new_folder(tmp)
     except OSError as e:
         raise write_failed("save checkpoint", final, e, advice) from None
-
-
-def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],
-           greater_is_better: bool = True) -> list[str]:
-    """Delete all but the `keep` newest checkpoints, the best one by `metric` (the task says which way is
-    better: textclf/task.py), and `protect`."""
-    found = complete_checkpoints(output_dir)
-    kept = {path for _, path in found[-keep:]}
-    scored = [(read_position(path).get("metrics", {}).get(metric), step, path) for step, path in found]
-    scored = [(value if greater_is_better else -value, step, path) for value, step, path in scored if value is not None]
-    if scored:
-        kept.add(max(scored)[2])  # ties go to the newer checkpoint
-    if protect:
-        kept |= {path for _, path in found if os.path.abspath(path) == os.path.abspath(protect)}
-    removed = [path for _, path in found if path not in kept]
-    for path in removed:
-        delete_folder(path)
-    return removed

@@ -1,16 +1,46 @@
-"""A checkpoint verified before anything of it is loaded: every file it recorded when it was completed (its size and
-sha256, in position.json) is read in full and compared, and what exact resume needs is there. Imported where a
-checkpoint is loaded (a resume, the best model's reload, export, predict, report); a fresh run never opens it.
+"""A checkpoint verified before anything of it is loaded: its position.json read and checked against its own sha256,
+then every file it recorded when it was completed (size and sha256) read in full and compared, and what exact resume
+needs found there. Imported where a checkpoint is loaded (a resume, the best model's reload, export, predict,
+report); a fresh run never opens it.
 """
 
+import json
 import os
 import pickle
 import re
 import sys
 from typing import Optional
 
-from .checkpoint import POSITION, sha256_all
+from .checkpoint import POSITION, sealed, sha256_all
 from .errors import InputError
+
+
+def read_position(checkpoint: str) -> dict:
+    """A checkpoint's position.json, refused in one line where it is missing or unreadable."""
+    path = os.path.join(checkpoint, POSITION)
+    if not os.path.isdir(checkpoint):
+        raise InputError(f"checkpoint not found: {checkpoint}")
+    if not os.path.isfile(path):
+        raise InputError(f"{checkpoint} is not a complete checkpoint: it has no {POSITION} "
+                         "(expected a step_<N>/ folder written by train.py)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            position = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path} is unreadable: {e}") from None
+    if not isinstance(position, dict):
+        raise InputError(f"{path} is not a JSON object; resume from another checkpoint")
+    return position
+
+
+def read_verified_position(checkpoint: str) -> dict:
+    """read_position, refusing a position.json whose fields are not the ones saved (its own sha256 differs).
+    One written before positions carried a sha256 has none to check (verify_files says so)."""
+    position = read_position(checkpoint)
+    if "sha256" in position and sealed(position)["sha256"] != position["sha256"]:
+        raise InputError(f"cannot load checkpoint {checkpoint}: {POSITION} is not the file that was saved (its sha256 "
+                         "differs); use another checkpoint")
+    return position
 
 
 def required_states(world_size: int, zero_stage: Optional[int]) -> list[tuple[str, str]]:

@@ -12,9 +12,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, read_position, read_verified_position
+from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR
 from .errors import InputError
-from .integrity import verify_checkpoint
+from .integrity import read_position, read_verified_position, verify_checkpoint
 from .model_folder import TRAINING, load_folder, load_tokenizer, weight_files
 from .modeling import lora_settings, make_model, needs_remote_code, refuse_custom_code
 from .tool_options import require_trained_model

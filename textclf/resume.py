@@ -25,6 +25,7 @@ from . import checkpoint
 from .checkpoint import FSDP_SHARDED, POSITION, STEP_DIR, step_folders
 from .config import RESUME_MAY_CHANGE, TrainConfig, field_names, parse_config
 from .errors import InputError, checked_on_main_process, say
+from .integrity import read_verified_position, verify_files
 from .launch import this_launch
 from .start import FRESH, SPLIT, Start, find_checkpoint
 
@@ -69,7 +70,7 @@ def resolve(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Optiona
 
 def config_for(cfg: TrainConfig, argv: Optional[list[str]], path: str) -> tuple[dict, TrainConfig]:
     """The checkpoint's position as saved, and the config a run resuming it trains with (plan_resume's `argv`)."""
-    position = checkpoint.read_verified_position(path)
+    position = read_verified_position(path)
     made_with = config_of(path, position)
     if made_with is not None and argv is not None:
         cfg = parse_config(argv, under=made_with)
@@ -117,22 +118,6 @@ def without_position(output_dir: str, newer_than: int) -> list[str]:
     leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
     return [os.path.basename(path) for step, path in step_folders(output_dir)
             if step > newer_than and not os.path.isfile(os.path.join(path, POSITION))]
-
-
-def move_aside(output_dir: str, names: list[str]) -> None:
-    """Move the folders `names` of output_dir into <output_dir>.replaced-<time>/ (--overwrite_output_dir)."""
-    if not names:
-        return
-    aside = checkpoint.aside_folder(output_dir)
-    try:
-        os.makedirs(aside, exist_ok=True)
-        for name in names:
-            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
-    except OSError as e:
-        raise InputError(f"--overwrite_output_dir: cannot move {', '.join(names)} of {output_dir} aside to {aside} "
-                         f"({e.strerror}); move or delete them yourself") from None
-    print(f"--overwrite_output_dir: moved {', '.join(names)} of {output_dir} aside to {aside} (delete it when you no "
-          "longer need it)")
 
 
 def config_of(path: str, position: dict) -> Optional[dict]:
@@ -218,8 +203,6 @@ def check_position(checkpoint: str, position: dict, *, total_steps: int, steps_p
 def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **schedule) -> None:
     """Before any step runs (collective): the position is one this run's schedule passes through
     (check_position), and every file is the one saved (verify_files, read by the main process alone)."""
-    from .integrity import verify_files
-
     check_position(checkpoint, position, world_size=accelerator.num_processes, **schedule)
     checked_on_main_process(accelerator, lambda: verify_files(checkpoint, position))
 
