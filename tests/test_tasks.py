@@ -12,6 +12,8 @@ import dataclasses
 import json
 import math
 import re
+import sys
+import types
 import typing
 
 import numpy as np
@@ -248,6 +250,14 @@ def test_a_task_is_made_by_its_kind():
         Task("single_label", "t", "l")
 
 
+def test_each_registered_kind_is_its_class_and_its_main_metric_one_of_its_scores():
+    from textclf.task import KINDS
+
+    for name, kind in KINDS.items():
+        cls = kind.load()
+        assert cls.kind == name and kind.main_metric in [f"eval_{key}" for key, _, _ in cls.scores], name
+
+
 def test_each_kind_gives_the_model_config_its_head():
     """What the model factory sets on the config: the outputs by name, and the problem type that picks the loss."""
     heads = {kind: Task.of(kind, "t", "l").head_config(["a", "b"]) for kind in ("single_label", "multi_label")}
@@ -296,8 +306,8 @@ def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
 
 
 def test_the_kind_docs_tasks_md_adds_works_and_passes_its_own_test(monkeypatch):
-    """docs/tasks.md's worked example, pasted as a reader would: the class into textclf/task.py, named in KINDS
-    (which --task offers), and its test."""
+    """docs/tasks.md's worked example, pasted as a reader would: the class into textclf/ordinal.py, registered in
+    KINDS (which --task offers), and its test."""
     import textclf.task
     from textclf.config import TrainConfig
 
@@ -305,10 +315,14 @@ def test_the_kind_docs_tasks_md_adds_works_and_passes_its_own_test(monkeypatch):
     assert typing.get_args(task_field.type) == tuple(textclf.task.KINDS)  # --task offers the registry's kinds
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "tasks.md").read_text(encoding="utf-8"), re.S)
     [kind] = [block for block in blocks if "class Ordinal" in block]
+    [entry] = [block for block in blocks if block.lstrip().startswith('"ordinal": Kind(')]
     [test] = [block for block in blocks if "def test_" in block]
-    module = dict(vars(textclf.task))
-    exec(kind, module)
-    monkeypatch.setitem(textclf.task.KINDS, "ordinal", module["Ordinal"])
+    ordinal = types.ModuleType("textclf.ordinal")
+    ordinal.__package__ = "textclf"
+    monkeypatch.setitem(sys.modules, "textclf.ordinal", ordinal)
+    exec(kind, vars(ordinal))
+    for name, registered in eval("{" + entry + "}", vars(textclf.task)).items():
+        monkeypatch.setitem(textclf.task.KINDS, name, registered)
     tests = {"pytest": pytest, "torch": torch, "Task": Task, "InputError": InputError}
     exec(test, tests)
     [run] = [function for name, function in tests.items() if name.startswith("test_")]

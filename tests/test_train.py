@@ -138,6 +138,8 @@ ONLY_WHEN_NEEDED = {
     "textclf.default_corpus": "the default data, built by the run that finds it missing",
     "textclf.rotation": "checkpoints deleted: past --save_total_limit, or a step's old one that a rerun replaces",
     "textclf.overwrite": "--overwrite_output_dir over a previous run: moved aside",
+    "textclf.multi_label": "--task multi_label",
+    "textclf.regression": "--task regression",
 }
 
 

@@ -295,7 +295,7 @@ class TrainConfig:
             raise InputError("label_separator must not be empty")
         metric = self.metric_for_best_model or KINDS[self.task].main_metric
         self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
-        metrics = [f"eval_{key}" for key, _, _ in KINDS[self.task].scores]
+        metrics = [f"eval_{key}" for key, _, _ in KINDS[self.task].load().scores]
         if self.metric_for_best_model not in metrics:
             raise InputError(f"metric_for_best_model {self.metric_for_best_model} is not a score of task {self.task} "
                              f"(it has {', '.join(metrics)})")
@@ -367,7 +367,7 @@ def field_helps(cls: type = TrainConfig) -> dict[str, str]:
     if undocumented:
         raise TypeError(f"{cls.__name__} field(s) {', '.join(undocumented)} have no docstring: write each one's help "
                         "as a string on the line under it")
-    fills = {"KINDS": "; ".join(f"{name}: {kind.__doc__}" for name, kind in KINDS.items()),
+    fills = {"KINDS": "; ".join(f"{name}: {kind.about}" for name, kind in KINDS.items()),
              "main_metrics": ", ".join(kind.main_metric for kind in KINDS.values()),
              "DEFAULT_LEARNING_RATES": ", ".join(f"{rate:g} for {models}"
                                                  for models, rate in DEFAULT_LEARNING_RATES.items())}

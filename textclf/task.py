@@ -1,10 +1,11 @@
 """What a task is: one class per kind (--task; --text_pair_column makes pairs of any), which owns its labels, its
 head (`problem_type`: the model computes the loss itself, as under the Trainer, and `pipeline` applies softmax,
-sigmoid or none), predictions, scores and their direction, baseline and report (docs/tasks.md adds one).
-Nothing heavy is imported at the top: the command lines read KINDS.
+sigmoid or none), predictions, scores and their direction, baseline and report (docs/tasks.md adds one). Here what
+every kind shares, the registry of kinds, and the default kind; the others are modules of their own, imported when a
+run asks for them. Nothing heavy is imported at the top: the command lines read KINDS.
 """
 
-import json
+import importlib
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from .errors import InputError
 
 @dataclass(frozen=True)
 class Task:
-    """What every kind shares. A kind (a subclass, named in KINDS) sets the class attributes below and defines
+    """What every kind shares. A kind (a subclass, registered in KINDS) sets the class attributes below and defines
     label, label_names, encode_labels, cell, strata, predictions, compute_scores, predicted, shown and baseline
     (see SingleLabel's); it may change check_labels, targets and figures."""
 
@@ -28,7 +29,6 @@ class Task:
     kind: ClassVar[str]  # the --task name
     problem_type: ClassVar[str]  # transformers' name: picks the model's loss and the pipeline's function
     scores: ClassVar[list[tuple[str, str, bool]]]  # key (logged as eval_<key>), title, whether higher is better
-    main_metric: ClassVar[str]  # the default metric_for_best_model
     fewest_labels: ClassVar[int] = 1  # the smallest head (for the check, which reads no data)
     picture: ClassVar[Optional[str]] = None  # the file report draws (report.DRAWINGS)
 
@@ -39,7 +39,7 @@ class Task:
     @staticmethod
     def of(kind: str, *columns, **options) -> "Task":
         """`Task.of("regression", "review", "stars")`."""
-        return KINDS[kind](*columns, **options)
+        return KINDS[kind].load()(*columns, **options)
 
     @classmethod
     def from_config(cls, cfg) -> "Task":
@@ -121,12 +121,11 @@ class Task:
 
 
 class SingleLabel(Task):
-    """one label per text (softmax over the labels)"""
+    """The default kind: a class per text."""
 
     kind = "single_label"
     problem_type = "single_label_classification"
     scores = [("accuracy", "accuracy", True), ("f1", "macro-F1", True)]
-    main_metric = "eval_f1"
     fewest_labels = 2
     picture = "confusion_matrix.png"
 
@@ -242,179 +241,31 @@ class SingleLabel(Task):
                 "confusion_matrix": matrix.tolist()}
 
 
-class MultiLabel(Task):
-    """a set of labels per text (a sigmoid per label, those above --threshold)"""
-
-    kind = "multi_label"
-    problem_type = "multi_label_classification"
-    scores = [("micro_f1", "micro-F1", True), ("macro_f1", "macro-F1", True),
-              ("subset_accuracy", "subset accuracy", True)]
-    main_metric = "eval_micro_f1"
-
-    def label(self, cell, row: str) -> list[str]:
-        """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label, []."""
-        where = f"{row}: label cell {cell!r}"
-        if isinstance(cell, str) and cell.startswith("["):
-            try:
-                cell = json.loads(cell)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where} does not parse as a JSON list ({e.msg}); write a JSON list of names, "
-                                 f"or names separated by '{self.label_separator}' (--label_separator)") from None
-        names = cell.split(self.label_separator) if isinstance(cell, str) else [] if cell is None else cell
-        if isinstance(names, int) and not isinstance(names, bool):
-            names = [names]
-        if not isinstance(names, list) or any(isinstance(name, bool) or not isinstance(name, (str, int))
-                                              for name in names):
-            raise InputError(f"{where} is not a list of label names (strings or integers), nor names separated by "
-                             f"'{self.label_separator}'")
-        return sorted({str(name).strip() for name in names} - {""})
-
-    def label_names(self, labels: list, path: str) -> list[str]:
-        """Every name of every set, sorted."""
-        names = sorted({name for names in labels for name in names})
-        if not names:
-            raise InputError(f"{path} has no label in any row of column '{self.label_column}'")
-        return names
-
-    def encode_labels(self, labels: list, names: list[str], path: str):
-        """Multi-hot floats (the loss is binary cross-entropy per label)."""
-        from datasets import List, Value
-
-        self.check_known({name for names in labels for name in names}, names, path)
-        hot = [[float(name in chosen) for name in names] for chosen in map(set, labels)]
-        return hot, List(Value("float32"), length=len(names))
-
-    def cell(self, label, names: list[str]) -> list[str]:
-        """The names of the set."""
-        return [name for name, hot in zip(names, label) if hot]
-
-    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
-        """The label sets, where each occurs at least twice and they are fewer than the held-out examples."""
-        sets = [" ".join(str(i) for i, hot in enumerate(row) if hot) for row in labels]
-        counts = Counter(sets)
-        once = sum(count == 1 for count in counts.values())
-        if once:
-            return None, f"not stratified: {once} of its {len(counts)} label sets occur only once"
-        if len(counts) > held_out:
-            return None, f"not stratified: {len(counts)} label sets, more than the {held_out} held-out examples"
-        return sets, f"stratified by label set ({len(counts)} sets)"
-
-    def predictions(self, logits):
-        """0/1 per label: its sigmoid above the threshold."""
-        return (logits.float().sigmoid() > self.threshold).long()
-
-    def targets(self, labels):
-        return labels.long()  # the multi-hot floats as 0/1
-
-    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        from sklearn.metrics import accuracy_score, f1_score
-
-        # On 0/1 indicator rows scikit-learn's accuracy is subset accuracy (every label of the example right).
-        return {"micro_f1": float(f1_score(references, predictions, average="micro", zero_division=0)),
-                "macro_f1": float(f1_score(references, predictions, average="macro", zero_division=0)),
-                "subset_accuracy": float(accuracy_score(references, predictions))}
-
-    def predicted(self, logits, names: list[str]) -> list[dict]:
-        """`label_names` (those above the threshold) and `prob_<name>` per label (sigmoid)."""
-        return [{"label_names": [name for name, hot in zip(names, chosen) if hot],
-                 **{f"prob_{name}": float(value) for name, value in zip(names, p)}}
-                for chosen, p in zip(self.predictions(logits).tolist(), logits.float().sigmoid())]
-
-    def shown(self, row: dict) -> str:
-        return self.label_separator.join(row["label_names"]) or f"(no label above {self.threshold})"
-
-    def baseline(self):
-        from sklearn.multiclass import OneVsRestClassifier
-
-        classifier, _ = SingleLabel.baseline(self)
-        return OneVsRestClassifier(classifier), "one-vs-rest logistic regression"
-
-    def figures(self, references: list, predictions: list, names: list[str]) -> dict:
-        """The per-label table."""
-        return {"per_label": label_table(references, predictions, names), "labels": names}
-
-
-class Regression(Task):
-    """a number per text (one output, the raw score)"""
-
-    kind = "regression"
-    problem_type = "regression"
-    scores = [("mse", "MSE", False), ("pearson", "Pearson", True), ("spearman", "Spearman", True)]
-    main_metric = "eval_mse"
-    picture = "predicted_vs_true.png"
-    output = "score"  # the name of the model's one output (its id2label) and of predict's column
-    bins = 10  # the most quantile bins of the target that stratify the held-out split
-
-    def label(self, cell, row: str) -> Optional[float]:
-        """A finite number."""
-        if cell is None:
-            return None
-        try:
-            value = float(cell)
-        except (TypeError, ValueError):
-            value = math.nan
-        if isinstance(cell, bool) or not math.isfinite(value):
-            raise InputError(f"{row}: label {cell!r} in column '{self.label_column}' is not a finite number, which "
-                             "--task regression needs")
-        return value
-
-    def label_names(self, labels: list, path: str) -> list[str]:
-        return [self.output]
-
-    def encode_labels(self, labels: list, names: list[str], path: str):
-        """The numbers, as floats."""
-        from datasets import Value
-
-        return labels, Value("float32")
-
-    def cell(self, label, names: list[str]) -> float:
-        """The score as the data wrote it: a float32 label written with the fewest digits that read back as it."""
-        import numpy as np
-
-        return float(str(np.float32(label)))
-
-    def strata(self, labels: list, held_out: int, names=None, refusal="cannot hold out") -> tuple:
-        """Quantile bins of the target: as many as keep at least 2 examples in each."""
-        import numpy as np
-
-        values = np.asarray(labels)
-        for bins in range(min(self.bins, held_out), 1, -1):
-            edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)[1:-1]))
-            strata = np.searchsorted(edges, values, side="right")
-            if np.bincount(strata).min() >= 2:
-                return strata.tolist(), f"stratified by {len(edges) + 1} quantile bins of the target"
-        return None, "not stratified: too few examples to bin the target"
-
-    def predictions(self, logits):
-        """The one output."""
-        return logits[:, 0].float()
-
-    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        from scipy.stats import pearsonr, spearmanr
-        from sklearn.metrics import mean_squared_error
-
-        return {"mse": float(mean_squared_error(references, predictions)),
-                "pearson": correlation(pearsonr, predictions, references),
-                "spearman": correlation(spearmanr, predictions, references)}
-
-    def predicted(self, logits, names: list[str]) -> list[dict]:
-        return [{self.output: float(score)} for score in self.predictions(logits)]
-
-    def shown(self, row: dict) -> str:
-        return f"{row[self.output]:.4f}"
-
-    def baseline(self):
-        from sklearn.linear_model import Ridge
-
-        return Ridge(), "ridge regression"
-
-
 # The spellings of a missing number that pandas reads as NaN by default, which this project's readers keep as text
 # (data.read_file); lower case. `None` and `null` stay names: a class of that name is common.
 NAN_SPELLINGS = {"nan", "-nan", "na", "<na>", "n/a", "#n/a", "#na"}
 
-# The kinds by their --task name; the first is the default.
-KINDS = {task.kind: task for task in (SingleLabel, MultiLabel, Regression)}
+@dataclass(frozen=True)
+class Kind:
+    """A kind as the command line knows it before any data is read; its class is imported when a run asks for it."""
+
+    about: str  # what --help says of it
+    main_metric: str  # the default metric_for_best_model: one of the class's scores
+    module: str  # where the class is
+    name: str  # the class
+
+    def load(self) -> type[Task]:
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+# The kinds by their --task name (each class's `kind`); the first is the default.
+KINDS = {
+    "single_label": Kind("one label per text (softmax over the labels)", "eval_f1", "textclf.task", "SingleLabel"),
+    "multi_label": Kind("a set of labels per text (a sigmoid per label, those above --threshold)", "eval_micro_f1",
+                        "textclf.multi_label", "MultiLabel"),
+    "regression": Kind("a number per text (one output, the raw score)", "eval_mse", "textclf.regression",
+                       "Regression"),
+}
 
 
 def label_table(references: list, predictions: list, names: list[str]) -> dict:
@@ -425,14 +276,6 @@ def label_table(references: list, predictions: list, names: list[str]) -> dict:
                                   output_dict=True, zero_division=0)
     return {name: {"precision": table[name]["precision"], "recall": table[name]["recall"],
                    "f1": table[name]["f1-score"], "support": int(table[name]["support"])} for name in names}
-
-
-def correlation(function, predictions, references) -> Optional[float]:
-    """None where a correlation is undefined (fewer than two examples, or a constant side), not SciPy's nan."""
-    if min(len(set(predictions)), len(set(references))) < 2:
-        return None
-    value = float(function(predictions, references)[0])
-    return None if math.isnan(value) else value
 
 
 def count_rows(rows: list[int], shown: int = 5) -> str:
