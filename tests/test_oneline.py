@@ -24,8 +24,9 @@ from textclf.checkpoint import complete, save_checkpoint
 from textclf.config import TrainConfig, parse_config
 from textclf.data import read_labelled
 from textclf.deepspeed_config import check_deepspeed_config
-from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
+from textclf.errors import InputError, run_command
 from textclf.export import export_checkpoint
+from textclf.failure import PEER_ENDED, peer_ended
 from textclf.loading import load_trained
 from textclf.modeling import make_model, model_config, training_config
 from textclf.predict import read_inputs
@@ -312,8 +313,8 @@ def test_a_rank_the_launcher_stopped_during_the_failed_collective_ends_quietly_o
     meanwhile hands the signal to train.py's handler (a checkpoint at the next logging step), then meets the
     collective's failure: it must still end on that SIGTERM, silently, not report the failure after waiting."""
     rank_1 = subprocess.run(
-        [sys.executable, "-c", "from textclf import errors\nerrors.stop_signals.append('SIGTERM')\n"
-                               "errors.report(errors.InputError(errors.PEER_ENDED))"],
+        [sys.executable, "-c", "from textclf import errors, failure\nerrors.stop_signals.append('SIGTERM')\n"
+                               "failure.report(errors.InputError(failure.PEER_ENDED))"],
         env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"}, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert rank_1.returncode == -15 and rank_1.stderr == "", rank_1.stderr
 
@@ -338,12 +339,12 @@ def test_a_deepspeed_json_deepspeed_would_refuse_is_said_once_under_a_launch(tmp
 
 
 def test_an_error_closes_an_open_progress_bar_first(capsys):
-    """errors.report closes the bars tqdm lists in its private _instances, so the error starts a line of its own."""
+    """failure.report closes the bars tqdm lists in its private _instances, so the error starts a line of its own."""
     import io
 
     from tqdm import tqdm
 
-    from textclf.errors import report
+    from textclf.failure import report
 
     bar = tqdm(total=10, file=io.StringIO())
     bar.update(3)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import OFFLINE, REPO, TINY, run_train
-from textclf.errors import PEER_ENDED, InputError, write_failed
+from textclf.errors import InputError, write_failed
+from textclf.failure import PEER_ENDED
 
 VICTIM = "another user's file\n"
 

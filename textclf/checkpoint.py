@@ -1,5 +1,5 @@
-"""Checkpoints as a run writes them: atomic `step_<N>/` folders that describe themselves, rotation, and the output
-folder that one run at a time owns (what a resume checks and loads is in textclf/resume.py).
+"""Checkpoints as a run writes them: atomic `step_<N>/` folders that describe themselves, and the output folder that
+one run at a time owns (what a resume checks and loads is in textclf/resume.py, deletion in textclf/rotation.py).
 
 A checkpoint is what `accelerator.save_state` writes plus `position.json`: the loop position, what the run was made
 with (start.record), its evaluation, config and loss windows, and the size and sha256 of every file, sealed by a
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # accelerate is imported where it is used: a resume is checke
     from accelerate import Accelerator
 
 from . import files
-from .errors import PEER_ENDED, WRITE_ERRORS, InputError, checked_on_main_process, gist, peer_ended, write_failed
+from .errors import WRITE_ERRORS, InputError, checked_on_main_process, write_failed
 
 POSITION = "position.json"
 # Where accelerate's save_state puts FSDP's sharded model state (f"{FSDP_MODEL_NAME}_0"; test_users checks it):
@@ -303,12 +303,10 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     try:
         accelerator.save_state(tmp)
     except WRITE_ERRORS as e:
-        if peer_ended(e):  # DeepSpeed's save is collective: a rank that died is not a full disk
-            failure = InputError(f"cannot save checkpoint {final}: {PEER_ENDED} during the save ({gist(e)}; its "
-                                 f"own message or the launcher's report says why); "
-                                 f"{continue_advice(output_dir, free_space=False)}")
-        else:  # said before the space is given back: a full disk is told by its free space
-            failure = write_failed("save checkpoint", final, e, advice)
+        from .failure import save_failed
+
+        # Said before the space is given back: a full disk is told by its free space.
+        failure = save_failed(e, final, advice, continue_advice(output_dir, free_space=False))
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
         raise failure from None

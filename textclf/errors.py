@@ -1,9 +1,8 @@
 """Errors the user must act on: one `error:` line that says what was wrong and what to do, exit code 2. Under a
 launcher every rank meets such an error at the same point (train.py agrees on the ones a single rank finds), and
-rank 0 alone reports it (textclf/failure.py)."""
+rank 0 alone reports it. What follows a failure is textclf/failure.py's, imported once something has failed."""
 
 import os
-import re
 import sys
 
 from safetensors import SafetensorError
@@ -17,8 +16,6 @@ class InputError(Exception):
 # What a failed write may raise: torch.save's is a RuntimeError (its errno lost), as are an out-of-memory error and
 # a failed collective: write_failed tells them apart.
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
-# What a rank says when a collective failed because another rank ended (killed, or stopped by its own error).
-PEER_ENDED = "another process of this run ended"
 # The stop signals this process received, by name (train.py asks for a checkpoint on SIGTERM and SIGINT): the
 # launcher's SIGTERM to the other ranks, once one has failed, may come while they wait in a collective.
 stop_signals: list[str] = []
@@ -29,14 +26,11 @@ def run_command(main):
     because another process ended into one line and exit code 1 (that process says why)."""
     try:
         return main()
-    except InputError as e:
-        report(e)
-        exit_now(2)
-    except RuntimeError as e:  # what a collective raises (torch's DistError is one too)
-        if not peer_ended(e):
-            raise
-        report(InputError(f"{PEER_ENDED} ({gist(e)}); its own message or the launcher's report says why"))
-        exit_now(1)
+    except (InputError, RuntimeError) as e:  # RuntimeError: what a collective raises (torch's DistError is one too)
+        from .failure import exit_on
+
+        exit_on(e)
+        raise  # a RuntimeError of another kind: a bug, which keeps its traceback
 
 
 def exit_now(code: int) -> None:
@@ -45,28 +39,6 @@ def exit_now(code: int) -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-
-
-def peer_ended(error: BaseException) -> bool:
-    """Whether `error` is a collective that failed because another process of the run is gone (textclf/ranks.py)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(error, RuntimeError):
-        return False
-    from .ranks import collective_failed_for_a_peer
-
-    return collective_failed_for_a_peer(error)
-
-
-def gist(error: BaseException) -> str:
-    """The first sentence of a library's error, without the source location gloo puts in front of it."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0].rstrip(".")
-
-
-def report(error: InputError) -> None:
-    """`error` as its `error:` line(s), said once under a launch (textclf/failure.py)."""
-    from .failure import report
-
-    report(error)
 
 
 def say(line: str, file=None) -> None:

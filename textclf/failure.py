@@ -1,6 +1,7 @@
-"""The error path, imported only once something has failed: an error said as its `error:` line(s) (errors.report),
-rank 0's alone under a launch (the others keep quiet until the launcher stops them, whose report of the failed ranks
-quotes it as the root cause), what a write that failed means (errors.write_failed), and a diverged run's remedy."""
+"""The error path, imported only once something has failed: an error said as its `error:` line(s) and the exit
+(errors.run_command), rank 0's alone under a launch (the others keep quiet until the launcher stops them, whose report
+of the failed ranks quotes it as the root cause), what a write that failed means (errors.write_failed), a failed
+save, and a diverged run's remedy."""
 
 import errno
 import os
@@ -11,7 +12,10 @@ import sys
 
 from tqdm import tqdm
 
-from .errors import PEER_ENDED, InputError, gist, peer_ended
+from .errors import InputError, exit_now
+
+# What a rank says when a collective failed because another rank ended (killed, or stopped by its own error).
+PEER_ENDED = "another process of this run ended"
 
 # torch.save's words for a write that failed (its stream writer, PyTorchStreamWriter in inline_container.cc).
 TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed")
@@ -24,7 +28,34 @@ OUT_OF_MEMORY_ADVICE = ("the disk is not the cause: free memory (a smaller --per
                         "GPU), then run again")
 
 
+def exit_on(error: Exception) -> None:
+    """errors.run_command's exit: an InputError's line(s) and exit code 2; a collective that failed because another
+    process ended, one line and exit code 1 (that process says why). Returns for any other error."""
+    if isinstance(error, InputError):
+        report(error)
+        exit_now(2)
+    if peer_ended(error):
+        report(InputError(f"{PEER_ENDED} ({gist(error)}); its own message or the launcher's report says why"))
+        exit_now(1)
+
+
+def peer_ended(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another process of the run is gone (textclf/ranks.py)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(error, RuntimeError):
+        return False
+    from .ranks import collective_failed_for_a_peer
+
+    return collective_failed_for_a_peer(error)
+
+
+def gist(error: BaseException) -> str:
+    """The first sentence of a library's error, without the source location gloo puts in front of it."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0].rstrip(".")
+
+
 def report(error: InputError) -> None:
+    """`error` as its `error:` line(s), said once under a launch."""
     lines = "\n".join(f"error: {line}" for line in str(error).splitlines())
     # A progress bar left open ends its line first. tqdm lists its open bars only in the private _instances (no
     # public list); test_oneline fails if that changes.
@@ -80,6 +111,15 @@ def explain(what: str, path: str, error: Exception, advice: str) -> Exception:
     elif not isinstance(error, OSError) and limit != resource.RLIM_INFINITY:
         reason = os.strerror(errno.EFBIG)
     return InputError(f"cannot {what} {path}: {reason} ({facts}); {advice}")
+
+
+def save_failed(error: Exception, checkpoint: str, advice: str, then: str) -> Exception:
+    """A checkpoint's save that failed, as checkpoint.save_checkpoint says it: a rank that died during DeepSpeed's
+    collective save is not a full disk (`then`: what to do next, free space aside)."""
+    if peer_ended(error):
+        return InputError(f"cannot save checkpoint {checkpoint}: {PEER_ENDED} during the save ({gist(error)}; its own "
+                          f"message or the launcher's report says why); {then}")
+    return explain("save checkpoint", checkpoint, error, advice)
 
 
 def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool) -> InputError:
