@@ -258,7 +258,7 @@ def evaluate(cfg, accelerator, model, eval_loader, task, step: int, best: Option
 def request_stop_on_signals(accelerator, logging_steps: int) -> list[str]:
     """SIGTERM (a scheduler) and SIGINT (Ctrl-C, which torchrun passes on to every rank) ask for a checkpoint at
     the next logging step, then a clean stop; a second Ctrl-C stops at once, without one. Returns the list the
-    names of the signals received go into (failure.report reads it too)."""
+    names of the signals received go into (ranks.wait_to_be_stopped reads it too)."""
     stop_requested = errors.stop_signals = []
 
     def request_stop(signum, _frame):

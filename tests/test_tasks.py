@@ -250,7 +250,7 @@ def test_a_task_is_made_by_its_kind():
         Task("single_label", "t", "l")
 
 
-def test_each_registered_kind_is_its_class_and_its_main_metric_one_of_its_scores():
+def test_each_kind_in_KINDS_loads_its_class_and_its_main_metric_is_one_of_its_scores():
     from textclf.task import KINDS
 
     for name, kind in KINDS.items():
@@ -323,6 +323,7 @@ def test_the_kind_docs_tasks_md_adds_works_and_passes_its_own_test(monkeypatch):
     exec(kind, vars(ordinal))
     for name, registered in eval("{" + entry + "}", vars(textclf.task)).items():
         monkeypatch.setitem(textclf.task.KINDS, name, registered)
+        assert registered.main_metric in [f"eval_{key}" for key, _, _ in registered.load().scores]
     tests = {"pytest": pytest, "torch": torch, "Task": Task, "InputError": InputError}
     exec(test, tests)
     [run] = [function for name, function in tests.items() if name.startswith("test_")]

@@ -117,7 +117,7 @@ def test_the_default_job_resumes_bitwise_exports_and_loads_in_a_pipeline(tmp_pat
 # What a fresh default run has no use for: each sits in a module of its own, imported where it is first needed.
 ONLY_WHEN_NEEDED = {
     "textclf.resume": "a run continued from a checkpoint: planned, checked and loaded",
-    "textclf.integrity": "a checkpoint's files verified before it is loaded",
+    "textclf.integrity": "a checkpoint's position.json read, and its files verified before it is loaded",
     "textclf.leftovers": "what an interrupted run left in the output folder",
     "textclf.universal": "DeepSpeed's universal checkpoint (a ZeRO resume on another number of processes)",
     "textclf.deepspeed_ops": "DeepSpeed's C++ ops, compiled at first use",
@@ -127,7 +127,7 @@ ONLY_WHEN_NEEDED = {
     "textclf.lora": "LoRA's adapters, and a LoRA model folder written and read",
     "textclf.layer_options": "--torch_compile's blocks (by default on a GPU) and --gradient_checkpointing",
     "textclf.waiting": "what the other ranks say while the local main process prepares the data",
-    "textclf.failure": "the error path: an error line, a failed write's cause, a diverged run's remedy",
+    "textclf.failure": "the error path: the error line and the exit, a peer's end, a failed write's or save's cause",
     "textclf.deepspeed_config": "a DeepSpeed launch's JSON, checked and completed",
     "textclf.launch_line": "the `accelerate launch` line's process count",
     "textclf.trackers": "the trackers --report_to names besides log.jsonl",

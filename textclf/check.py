@@ -69,6 +69,7 @@ import torch
 
 from .data import sample_key
 from .deepspeed_config import check_deepspeed_config, deepspeed_conflicts
+from .integrity import read_verified_position
 from .job import load_data
 from .launch import cuda_only, zero_offload
 from .launch_line import fewer_processes
@@ -405,8 +406,6 @@ def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
     folder)."""
     if not cfg.resume:
         return None
-    from .integrity import read_verified_position
-
     path = find_checkpoint(cfg)  # as train.py finds it
     return (path, read_verified_position(path)) if path else None
 

@@ -302,11 +302,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, position: dict, s
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(tmp)
-    except WRITE_ERRORS as e:
-        from .failure import save_failed
-
-        # Said before the space is given back: a full disk is told by its free space.
-        failure = save_failed(e, final, advice, continue_advice(output_dir, free_space=False))
+    except WRITE_ERRORS as e:  # said before the space is given back: a full disk is told by its free space
+        failure = write_failed("save checkpoint", final, e, advice, continue_advice(output_dir, free_space=False))
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back now; the next start would
         raise failure from None

@@ -22,8 +22,8 @@ stop_signals: list[str] = []
 
 
 def run_command(main):
-    """`main()`, with an InputError turned into its `error:` line(s) and exit code 2, and a collective that failed
-    because another process ended into one line and exit code 1 (that process says why)."""
+    """`main()`, ending as failure.exit_on says on an InputError or a collective whose peer ended; any other error
+    keeps its traceback."""
     try:
         return main()
     except (InputError, RuntimeError) as e:  # RuntimeError: what a collective raises (torch's DistError is one too)
@@ -52,12 +52,12 @@ def verbose() -> bool:
     return os.environ.get("TEXTCLF_VERBOSE", "") not in ("", "0")
 
 
-def write_failed(what: str, path: str, error: Exception, advice: str) -> Exception:
+def write_failed(what: str, path: str, error: Exception, advice: str, advice_if_peer_ended: str = "") -> Exception:
     """A write that failed (full disk, quota, file size limit, permissions, a link in the way) as one line: what
     could not be written, why, what this machine says about it, and `advice` (textclf/failure.py)."""
     from .failure import explain
 
-    return explain(what, path, error, advice)
+    return explain(what, path, error, advice, advice_if_peer_ended)
 
 
 def checked_on_main_process(accelerator, check) -> None:

@@ -1,7 +1,7 @@
 """The error path, imported only once something has failed: an error said as its `error:` line(s) and the exit
 (errors.run_command), rank 0's alone under a launch (the others keep quiet until the launcher stops them, whose report
-of the failed ranks quotes it as the root cause), what a write that failed means (errors.write_failed), a failed
-save, and a diverged run's remedy."""
+of the failed ranks quotes it as the root cause), what a write that failed means (errors.write_failed), and a
+diverged run's remedy."""
 
 import errno
 import os
@@ -81,15 +81,15 @@ def out_of_memory(error: BaseException) -> bool:
     return isinstance(error, (RuntimeError, MemoryError)) and "out of memory" in str(error).lower()
 
 
-def explain(what: str, path: str, error: Exception, advice: str) -> Exception:
-    """errors.write_failed: its true cause first (out of memory, a peer that ended), a RuntimeError that is not
-    torch.save's failed write returned as it is (a bug keeps its traceback), then what this machine says. torch.save
-    loses the errno: a file system left (nearly) full is named full."""
+def explain(what: str, path: str, error: Exception, advice: str, advice_if_peer_ended: str = "") -> Exception:
+    """errors.write_failed: its true cause first (out of memory, a peer that ended: DeepSpeed's save is collective),
+    a RuntimeError that is not torch.save's failed write returned as it is (a bug keeps its traceback), then what
+    this machine says. torch.save loses the errno: a file system left (nearly) full is named full."""
     if out_of_memory(error):
         return InputError(f"cannot {what} {path}: out of memory ({gist(error)}); {OUT_OF_MEMORY_ADVICE}")
     if peer_ended(error):
         return InputError(f"cannot {what} {path}: {PEER_ENDED} ({gist(error)}); its own message or the launcher's "
-                          "report says why")
+                          "report says why" + (f"; {advice_if_peer_ended}" if advice_if_peer_ended else ""))
     if isinstance(error, RuntimeError) and not TORCH_WRITE_FAILED.search(str(error)):
         return error
     link = error.filename if isinstance(error, OSError) and error.errno in (errno.ELOOP, errno.EEXIST) else None
@@ -111,15 +111,6 @@ def explain(what: str, path: str, error: Exception, advice: str) -> Exception:
     elif not isinstance(error, OSError) and limit != resource.RLIM_INFINITY:
         reason = os.strerror(errno.EFBIG)
     return InputError(f"cannot {what} {path}: {reason} ({facts}); {advice}")
-
-
-def save_failed(error: Exception, checkpoint: str, advice: str, then: str) -> Exception:
-    """A checkpoint's save that failed, as checkpoint.save_checkpoint says it: a rank that died during DeepSpeed's
-    collective save is not a full disk (`then`: what to do next, free space aside)."""
-    if peer_ended(error):
-        return InputError(f"cannot save checkpoint {checkpoint}: {PEER_ENDED} during the save ({gist(error)}; its own "
-                          f"message or the launcher's report says why); {then}")
-    return explain("save checkpoint", checkpoint, error, advice)
 
 
 def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool) -> InputError:

@@ -1,7 +1,7 @@
 """A checkpoint verified before anything of it is loaded: its position.json read and checked against its own sha256,
 then every file it recorded when it was completed (size and sha256) read in full and compared, and what exact resume
 needs found there. Imported where a checkpoint is loaded (a resume, the best model's reload, export, predict,
-report); a fresh run never opens it.
+report), and where its position is read (rotation).
 """
 
 import json

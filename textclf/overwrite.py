@@ -1,6 +1,6 @@
 """--overwrite_output_dir over a folder that holds a previous run: the run moved aside whole, or with --resume of one
 of its checkpoints the checkpoints after it, into <output_dir>.replaced-<time>/ (checkpoint.claim_output_dir calls
-it under the folder's lock). Imported only when there is something to move."""
+these under the folder's lock). Imported only under --overwrite_output_dir."""
 
 import os
 import time

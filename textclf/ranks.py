@@ -1,7 +1,7 @@
 """What a rank other than the one that failed does under a launch of several processes: it tells a collective that
 failed because another rank ended from a failure of its own, and, when it meets the same error as rank 0, keeps
 quiet until the launcher stops it, so that the user reads the error once. Imported only under such a launch, when
-something has failed (textclf/errors.py), and under torchrun: a rank ends with its launcher, and leaves its error in
+something has failed (textclf/failure.py), and under torchrun: a rank ends with its launcher, and leaves its error in
 the file the launcher reports from.
 """
 

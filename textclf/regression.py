@@ -79,7 +79,6 @@ class Regression(Task):
         return Ridge(), "ridge regression"
 
 
-
 def correlation(function, predictions, references) -> Optional[float]:
     """None where a correlation is undefined (fewer than two examples, or a constant side), not SciPy's nan."""
     if min(len(set(predictions)), len(set(references))) < 2:

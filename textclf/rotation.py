@@ -1,6 +1,7 @@
-"""Checkpoints deleted: the ones past --save_total_limit (rotate; the newest, the best and the one resumed from are
-kept), and the old checkpoint of a step that a rerun saves again. Always through a rename first, so that a kill
-mid-way never leaves a half-deleted folder under a checkpoint's name. Imported only when a run deletes one."""
+"""Checkpoints deleted: the ones past --save_total_limit (rotate; the `keep` newest, the best and the one resumed from
+are kept), and the old checkpoint of a step that a rerun saves again. Always through a rename first, so that a kill
+mid-way never leaves a half-deleted folder under a checkpoint's name. Imported only under --save_total_limit, or
+when a step is saved again."""
 
 import contextlib
 import os

@@ -1,8 +1,9 @@
 """What a task is: one class per kind (--task; --text_pair_column makes pairs of any), which owns its labels, its
 head (`problem_type`: the model computes the loss itself, as under the Trainer, and `pipeline` applies softmax,
 sigmoid or none), predictions, scores and their direction, baseline and report (docs/tasks.md adds one). Here what
-every kind shares, the registry of kinds, and the default kind; the others are modules of their own, imported when a
-run asks for them. Nothing heavy is imported at the top: the command lines read KINDS.
+every kind shares, the registry of kinds, and the default kind; each other kind's class is in a module of its own
+(multi_label.py, regression.py), imported when a run asks for it. Nothing heavy is imported at the top: the command
+lines read KINDS.
 """
 
 import importlib
@@ -121,7 +122,7 @@ class Task:
 
 
 class SingleLabel(Task):
-    """The default kind: a class per text."""
+    """The default kind: one label per text."""
 
     kind = "single_label"
     problem_type = "single_label_classification"
@@ -245,6 +246,7 @@ class SingleLabel(Task):
 # (data.read_file); lower case. `None` and `null` stay names: a class of that name is common.
 NAN_SPELLINGS = {"nan", "-nan", "na", "<na>", "n/a", "#n/a", "#na"}
 
+
 @dataclass(frozen=True)
 class Kind:
     """A kind as the command line knows it before any data is read; its class is imported when a run asks for it."""
@@ -252,10 +254,10 @@ class Kind:
     about: str  # what --help says of it
     main_metric: str  # the default metric_for_best_model: one of the class's scores
     module: str  # where the class is
-    name: str  # the class
+    class_name: str
 
     def load(self) -> type[Task]:
-        return getattr(importlib.import_module(self.module), self.name)
+        return getattr(importlib.import_module(self.module), self.class_name)
 
 
 # The kinds by their --task name (each class's `kind`); the first is the default.
