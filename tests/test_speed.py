@@ -89,6 +89,41 @@ def test_liger_kernels_apply_on_cuda_to_the_families_liger_covers(monkeypatch):
         speed(cuda=True, use_liger_kernel=True, model_type="bert")
 
 
+def test_liger_patches_the_trained_model_alone_and_keeps_its_classifier_forward(monkeypatch):
+    """What liger-kernel's apply function for a family does (apply_liger_kernel_to_llama, cut down): swap classes
+    and RoPE in transformers' modeling module, patch the instance's norms, and with its fused linear cross-entropy
+    on (its default) give the model a causal LM's forward. apply_liger, through the Trainer's call, keeps the
+    instance's patches and the classifier's forward, and puts the module back."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers.models.llama import modeling_llama
+
+    from textclf.speedups import apply_liger
+
+    asked = []
+
+    def apply_to_instance(model, rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True):
+        asked.append({"cross_entropy": cross_entropy, "fused_linear_cross_entropy": fused_linear_cross_entropy})
+        modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm = "Liger's RoPE", "LigerRMSNorm"
+        modeling_llama.liger_added = True
+        if fused_linear_cross_entropy:
+            model.forward = "a causal LM's forward, which reads model.lm_head"
+        model.model.norm.forward = "LigerRMSNorm.forward"
+
+    liger = types.ModuleType("liger_kernel.transformers")
+    liger._apply_liger_kernel_to_instance = apply_to_instance
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", liger)
+    monkeypatch.setattr("transformers.integrations.liger.is_liger_kernel_available", lambda: True)
+    model = LlamaForSequenceClassification(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=1, num_attention_heads=2,
+                                                       num_key_value_heads=2, pad_token_id=0))
+    module_before = dict(vars(modeling_llama))
+    apply_liger(model)
+    assert asked == [{"cross_entropy": False, "fused_linear_cross_entropy": False}]
+    assert "forward" not in vars(model) and model.model.norm.forward == "LigerRMSNorm.forward"
+    assert vars(modeling_llama) == module_before  # the export's copy and later models are built as before
+
+
 def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():
     from accelerate import Accelerator
 

@@ -91,7 +91,7 @@ class TrainConfig:
     once. auto: on with CUDA for one process or DDP, off on a CPU (slower there) and under DeepSpeed or FSDP. A
     launch's dynamo settings (`accelerate launch --dynamo_backend ...`) are taken: backend and mode."""
     use_liger_kernel: Optional[bool] = None
-    """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) in place of the model's, for the families liger-kernel covers
+    """Liger's Triton kernels (its norms and MLPs) in place of the model's, for the families liger-kernel covers
     (llama, qwen2, mistral, gemma, ...; not BERT); needs CUDA and `pip install -e '.[liger]'`. auto: on where all
     of that holds."""
     tf32: Optional[bool] = None

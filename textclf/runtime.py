@@ -65,9 +65,9 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
         set_for_the_run(torch.backends.cuda.matmul, "fp32_precision", "tf32")
         set_for_the_run(torch.backends.cudnn.conv, "fp32_precision", "tf32")
     if settings["use_liger_kernel"]:
-        from transformers.integrations.liger import apply_liger_kernel  # the Trainer's --use_liger_kernel
+        from .speedups import apply_liger
 
-        apply_liger_kernel(model, None)
+        apply_liger(model)
     if settings["torch_compile"]:
         from .speedups import compile_model
 

@@ -10,6 +10,7 @@ fullgraph, dynamic) are taken, and accelerate's own compile of the whole model, 
 `_orig_mod.*`, is turned off.
 """
 
+import sys
 import time
 from typing import Optional
 
@@ -18,6 +19,10 @@ from accelerate.utils import DynamoBackend
 
 from .errors import InputError
 from .quiet import set_for_the_run
+
+# Liger's loss kernels, off: its fused linear cross-entropy replaces the model's forward with a causal LM's (a
+# classifier has no lm_head: the first step would fail), and its cross_entropy patches torch's for every model.
+LIGER_KERNELS = {"fused_linear_cross_entropy": False, "cross_entropy": False}
 
 
 def compile_options(dynamo_plugin) -> dict:
@@ -48,6 +53,27 @@ def compile_model(model: torch.nn.Module, compile_kwargs: dict, accelerator) -> 
     # Compiled here, once: prepare() must not compile the whole model again.
     accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
     CompileClock.start(accelerator.is_local_main_process)
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Liger's kernels on `model` alone, through the Trainer's own call: its norms and MLPs patched on the instances.
+
+    Left out: what changes other models than this one. liger-kernel also swaps the family's classes and functions
+    (RoPE's among them) in transformers' modeling modules, which would reach the export's CPU copy (Triton kernels do
+    not run there) and any later model of the process: they are put back at once. And its losses (LIGER_KERNELS).
+    """
+    from transformers.integrations.liger import apply_liger_kernel
+
+    namespaces = [vars(module) for name, module in list(sys.modules.items())
+                  if name.startswith("transformers.models.") and module is not None]
+    before = [dict(namespace) for namespace in namespaces]
+    try:
+        apply_liger_kernel(model, dict(LIGER_KERNELS))
+    finally:
+        for namespace, names in zip(namespaces, before):
+            for added in set(namespace) - set(names):
+                del namespace[added]
+            namespace.update(names)
 
 
 def use_liger(asked: Optional[bool], cuda: bool, model_type: Optional[str]) -> bool:
