@@ -816,6 +816,32 @@ def test_a_library_setting_a_run_changes_is_put_back_when_its_scope_ends():
     assert (torch._dynamo.config.recompile_limit, torch.backends.cuda.matmul.fp32_precision) == (limit, precision)
 
 
+def test_a_compiled_run_takes_down_what_it_set_up_in_accelerate_and_torch_when_its_scope_ends(
+        fresh_accelerator_state):
+    """compile_model turns accelerate's compile of the whole model off (the blocks are compiled already) and starts
+    the compile clock (dynamo's callbacks, an optimizer hook): for the run. After it, the launch's dynamo backend is
+    back for the next run of the process, and no callback or hook of the clock is left."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DynamoBackend
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from textclf.quiet import run_scope
+    from textclf.speedups import CompileClock, compile_model
+
+    accelerator = Accelerator(cpu=True, dynamo_backend="inductor")  # a launch's --dynamo_backend inductor
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=16))
+    callbacks = torch._dynamo.callback_handler
+    with run_scope():
+        compile_model(model, {"backend": "inductor", "dynamic": False}, accelerator)  # compiles at the first call
+        assert accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+        assert CompileClock.on_start in callbacks.start_callbacks and CompileClock.said is not None
+    assert accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR
+    assert CompileClock.on_start not in callbacks.start_callbacks and CompileClock.on_end not in callbacks.end_callbacks
+    assert CompileClock.said is None
+
+
 @pytest.mark.slow
 def test_main_twice_in_one_process_starts_and_ends_with_the_same_library_state(tmp_path, reviews_csv, cache_dir):
     """A notebook that calls train.main twice: each run starts from the state the process had, and leaves it so."""

@@ -30,9 +30,14 @@ _open_scopes: list[ExitStack] = []  # the run scopes entered and not yet ended, 
 
 def set_for_the_run(owner, name: str, value) -> None:
     """`owner.name = value` until the innermost run scope ends (outside one, for good): TF32, dynamo's limits."""
-    if _open_scopes:
-        _open_scopes[-1].callback(setattr, owner, name, getattr(owner, name))
+    until_the_run_ends(functools.partial(setattr, owner, name, getattr(owner, name)))
     setattr(owner, name, value)
+
+
+def until_the_run_ends(undo) -> None:
+    """Call `undo` when the innermost run scope ends (outside one, never): what a run set up in a library."""
+    if _open_scopes:
+        _open_scopes[-1].callback(undo)
 
 
 @contextmanager

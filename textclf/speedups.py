@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import DynamoBackend
 
 from .errors import InputError
-from .quiet import set_for_the_run
+from .quiet import set_for_the_run, until_the_run_ends
 
 # Liger's loss kernels, off: its fused linear cross-entropy replaces the model's forward with a causal LM's (a
 # classifier has no lm_head: the first step would fail), and its cross_entropy patches torch's for every model.
@@ -51,7 +51,7 @@ def compile_model(model: torch.nn.Module, compile_kwargs: dict, accelerator) -> 
     set_for_the_run(torch._dynamo.config, "recompile_limit", max(torch._dynamo.config.recompile_limit, 64))
     compile_blocks(model, **compile_kwargs)
     # Compiled here, once: prepare() must not compile the whole model again.
-    accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+    set_for_the_run(accelerator.state.dynamo_plugin, "backend", DynamoBackend.NO)
     CompileClock.start(accelerator.is_local_main_process)
 
 
@@ -119,6 +119,18 @@ class CompileClock:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             cls.said = register_optimizer_step_post_hook(cls.say)
+        until_the_run_ends(cls.stop)
+
+    @classmethod
+    def stop(cls) -> None:
+        """Dynamo's callbacks and the optimizer hook taken down: the process compiles and steps as before the run."""
+        handler = torch._dynamo.callback_handler
+        if cls.on_start in handler.start_callbacks:
+            handler.remove_start_callback(cls.on_start)
+            handler.remove_end_callback(cls.on_end)
+        if cls.said is not None:
+            cls.said.remove()
+            cls.said = None
 
     @classmethod
     def on_start(cls, args) -> None:
