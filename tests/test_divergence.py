@@ -64,6 +64,47 @@ def test_a_step_the_fp16_loss_scaler_skipped_is_not_a_divergence(accelerator, tm
         watch.check(3)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_only_an_unfused_optimizer_lets_accelerate_see_the_step_the_fp16_loss_scaler_skipped(accelerator, fused):
+    """Why train.py's AdamW is not fused under fp16's loss scaler (accelerator.scaler): a fused step takes the
+    overflow into its kernel and leaves the weights as they were, but accelerate's step_was_skipped, which the
+    watch reads, then says the step was taken, and the inf gradient norm would stop the run as diverged. A CPU
+    grad scaler acts as a GPU's here."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW([weight], lr=0.1, fused=fused), device_placement=False,
+                                     scaler=scaler)
+    scaler.scale((weight * math.inf).sum()).backward()
+    optimizer.step()
+    assert weight.tolist() == [1.0, 1.0, 1.0]  # skipped either way
+    assert optimizer.step_was_skipped is not fused
+
+
+def test_a_gradient_norm_fsdp2_returns_sharded_is_read_as_a_plain_one(tmp_path):
+    """Under FSDP2 every parameter is a DTensor and accelerate's clip returns the norm as one, which a plain tensor
+    cannot be combined with. A one-process mesh over gloo makes one here."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        norm = distribute_tensor(INF, init_device_mesh("cpu", (1,)), [Replicate()])
+        process = types.SimpleNamespace(device=torch.device("cpu"), sync_gradients=True, distributed_type="FSDP",
+                                        optimizer_step_was_skipped=False, gather=lambda tensor: tensor)
+        watch = DivergenceWatch(process, 1e-3, clipping=True, output_dir=str(tmp_path))
+        watch.add(1, torch.tensor(0.7), norm)
+        with pytest.raises(InputError, match="^training diverged at step 1: its gradient norm is not finite"):
+            watch.check(1)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_non_finite_weights_are_caught_before_a_save_even_where_the_loss_was_finite(accelerator, tmp_path):
     model = torch.nn.Linear(4, 2)
     watch = DivergenceWatch(accelerator, 1e30, clipping=True, output_dir=str(tmp_path))

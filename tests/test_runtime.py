@@ -45,6 +45,19 @@ def test_precision_contradicting_the_launch_is_refused(monkeypatch):
         resolve_precision("bf16")
 
 
+def test_float16_weights_under_the_fp16_loss_scaler_are_refused_before_torch_loads(monkeypatch):
+    """torch's loss scaler refuses to unscale float16 gradients at the first step; DeepSpeed's fp16 keeps float32
+    master weights of its own, and bf16 needs no scaler."""
+    from textclf.launch import check_launch_early
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(InputError, match=r"^--torch_dtype float16 under fp16 mixed precision: its loss scaler cannot "
+                                         r"unscale float16 gradients .*; keep the weights in float32"):
+        check_launch_early(parse_config(["--torch_dtype", "float16", "--report_to", "none"]))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    check_launch_early(parse_config(["--torch_dtype", "float16", "--report_to", "none"]))
+
+
 def fake_wandb(logged_in: bool):
     """Stands in for wandb: `wandb.login(verify=False, prompt=False)` answers whether credentials exist
     (as wandb 0.31 does: False with no WANDB_API_KEY, netrc or settings, without asking or connecting)."""

@@ -33,6 +33,8 @@ class DivergenceWatch:
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             grad_norm = self.accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()  # None: not computed
         if grad_norm is not None:
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2's clip returns a DTensor, which plain tensors cannot mix with
+                grad_norm = grad_norm.full_tensor()
             norm = torch.as_tensor(grad_norm, device=self.first.device)
             self.step_bits |= (~torch.isfinite(norm)).long() * GRAD_NORM
         if not self.accelerator.optimizer_step_was_skipped:

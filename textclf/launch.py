@@ -31,6 +31,10 @@ def check_launch_early(cfg) -> None:
     what the training config owns; then, with torch loaded but not yet transformers or the data, what this machine
     lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
+    if launch["mixed_precision"] == "fp16" and launch["zero_stage"] is None and cfg.torch_dtype == "float16":
+        raise InputError("--torch_dtype float16 under fp16 mixed precision: its loss scaler cannot unscale float16 "
+                         "gradients (the first step would fail); keep the weights in float32 (--torch_dtype "
+                         "float32, the default), or run bf16 on a GPU that has it")
     if launch["zero_stage"] is not None:
         from .deepspeed_config import refuse_conflicts
 
