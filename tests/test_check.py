@@ -308,6 +308,16 @@ def test_fp16_is_refused_for_a_machine_without_cuda_and_accepted_for_a_gpu_machi
     assert status == 0, err
 
 
+def test_float16_weights_under_the_fp16_loss_scaler_are_a_conflict_as_train_py_refuses_them(capsys):
+    from textclf.launch import float16_weights_conflict
+
+    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_fp16.yaml", "--target", "cuda",
+                               "--torch_dtype", "float16")
+    assert status == 1 and conflicts(err) == [f"conflict: {float16_weights_conflict('fp16', False, 'float16')}"]
+    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_fp16.yaml", "--target", "cuda")
+    assert status == 0, err
+
+
 def test_torch_compile_in_a_yaml_passes_the_check(capsys, tmp_path):
     # train.py takes a launch's dynamo settings (runtime.speed_up), compiling the blocks in place.
     variant = write_yaml(tmp_path / "cpu_compiled.yaml", "cpu.yaml", dynamo_config={"dynamo_backend": "INDUCTOR"})

@@ -71,7 +71,7 @@ from .data import sample_key
 from .deepspeed_config import check_deepspeed_config, deepspeed_conflicts
 from .integrity import read_verified_position
 from .job import load_data
-from .launch import cuda_only, zero_offload
+from .launch import cuda_only, float16_weights_conflict, zero_offload
 from .launch_line import fewer_processes
 from .modeling import (
     SCRATCH_VOCAB_SIZE,
@@ -292,9 +292,12 @@ def has_cuda(target: str) -> bool:
     return target == "cuda" or (target == "here" and torch.cuda.is_available())
 
 
-def check_machine(launch: dict, precision: str, source: str, target: str,
+def check_machine(launch: dict, precision: str, source: str, target: str, torch_dtype: str,
                   conflicts: list[str], warnings: list[str]) -> None:
-    """What the target machine cannot run: fp16 and FSDP without CUDA, bf16 without native bf16."""
+    """What the precision and the target machine cannot run: float16 weights under fp16's loss scaler, fp16 and
+    FSDP without CUDA, bf16 without native bf16."""
+    if conflict := float16_weights_conflict(precision, launch["distributed_type"] == "DEEPSPEED", torch_dtype):
+        conflicts.append(conflict)
     if has_cuda(target):
         return
     machine = "this machine" if target == "here" else "the target machine (--target cpu)"
@@ -444,7 +447,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         stage = 0 if launch["fsdp_sharding_strategy"] == "NO_SHARD" else 3
         if launch["fsdp_offload_params"]:
             offload = {"weights": "cpu", "gradients": "cpu", "optimizer states": "cpu"}
-    check_machine(launch, precision, source, args.target, conflicts, warnings)
+    check_machine(launch, precision, source, args.target, cfg.torch_dtype, conflicts, warnings)
     resume_line = None
     if resumed:
         try:

@@ -31,10 +31,9 @@ def check_launch_early(cfg) -> None:
     what the training config owns; then, with torch loaded but not yet transformers or the data, what this machine
     lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
-    if launch["mixed_precision"] == "fp16" and launch["zero_stage"] is None and cfg.torch_dtype == "float16":
-        raise InputError("--torch_dtype float16 under fp16 mixed precision: its loss scaler cannot unscale float16 "
-                         "gradients (the first step would fail); keep the weights in float32 (--torch_dtype "
-                         "float32, the default), or run bf16 on a GPU that has it")
+    if conflict := float16_weights_conflict(launch["mixed_precision"], launch["zero_stage"] is not None,
+                                            cfg.torch_dtype):
+        raise InputError(conflict)
     if launch["zero_stage"] is not None:
         from .deepspeed_config import refuse_conflicts
 
@@ -64,6 +63,16 @@ def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str
         needs.append(("distributed_type FSDP needs CUDA GPUs (on a CPU accelerate would silently run plain DDP "
                       "instead)", "launch with accelerate_configs/zero3.yaml, the same sharding, which runs on a CPU"))
     return needs
+
+
+def float16_weights_conflict(precision: str, deepspeed: bool, torch_dtype: str) -> Optional[str]:
+    """float16 weights under torch's fp16 loss scaler, which does not unscale float16 gradients (DeepSpeed's fp16
+    keeps float32 master weights of its own); the check reports it too."""
+    if precision == "fp16" and not deepspeed and torch_dtype == "float16":
+        return ("--torch_dtype float16 under fp16 mixed precision: its loss scaler cannot unscale float16 gradients "
+                "(the first step would fail); keep the weights in float32 (--torch_dtype float32, the default), or "
+                "run bf16 on a GPU that has it")
+    return None
 
 
 def resolve_precision(asked):
