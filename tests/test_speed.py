@@ -124,6 +124,28 @@ def test_liger_patches_the_trained_model_alone_and_keeps_its_classifier_forward(
     assert vars(modeling_llama) == module_before  # the export's copy and later models are built as before
 
 
+@pytest.mark.parametrize("flag, precision", [("auto", "tf32"), ("false", "ieee")])
+def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set(flag, precision):
+    """--tf32 false wins over the TF32 accelerate turns on for a launch with a dynamo backend and no mixed precision
+    (legacy allow_tf32); either way the process's setting is back when the run's scope ends."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from textclf.quiet import run_scope
+    from textclf.runtime import speed_up
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = (matmul.fp32_precision, conv.fp32_precision)
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), distributed_type=DistributedType.NO, mixed_precision="no",
+                                state=types.SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend="no")))
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=16))
+    with run_scope():
+        settings = speed_up(model, parse_config(["--tf32", flag, "--torch_compile", "false"]), gpu)
+        assert settings["tf32"] is (flag == "auto")
+        assert (matmul.fp32_precision, conv.fp32_precision) == (precision, precision)
+    assert (matmul.fp32_precision, conv.fp32_precision) == before
+
+
 def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():
     from accelerate import Accelerator
 
