@@ -110,7 +110,7 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool, speed_flags: bool = False
     Either way model, data, batch size, steps, seed and precision are the job's. At its defaults the Trainer
     uses lr 5e-5, no warmup, no weight decay, random batches, fused AdamW and logs every 500 steps. With
     `speed_flags`, what a Trainer user turns on for speed: torch_compile, and use_liger_kernel where liger-kernel
-    is installed (its loss kernels off, as train.py has them: textclf.speedups.LIGER_KERNELS).
+    is installed (the kernels train.py applies: its norms and MLPs).
     """
     train_set, eval_set, tokenizer, model = prepare(cfg)
     collate = DataCollatorWithPadding(tokenizer)  # what the Trainer picks by itself for a tokenizer
@@ -137,8 +137,9 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool, speed_flags: bool = False
 
         from textclf.speedups import LIGER_KERNELS  # the Trainer's defaults would give the classifier an LM's forward
 
+        # train.py's kernels: the Trainer would keep Liger's RoPE, a modeling module's swap that train.py puts back.
         settings.update(torch_compile=True, use_liger_kernel=is_liger_kernel_available(),
-                        liger_kernel_config=LIGER_KERNELS)
+                        liger_kernel_config={**LIGER_KERNELS, "rope": False})
 
     class StepTimes(TrainerCallback):  # the Trainer's hooks take a callback object
         def on_train_begin(self, args, state, control, **kwargs):

@@ -313,7 +313,7 @@ def test_float16_weights_under_the_fp16_loss_scaler_are_a_conflict_as_train_py_r
 
     status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_fp16.yaml", "--target", "cuda",
                                "--torch_dtype", "float16")
-    assert status == 1 and conflicts(err) == [f"conflict: {float16_weights_conflict('fp16', False, 'float16')}"]
+    assert status == 1 and conflicts(err) == [f"conflict: {float16_weights_conflict('fp16', None, 'float16')}"]
     status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_fp16.yaml", "--target", "cuda")
     assert status == 0, err
 

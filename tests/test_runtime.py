@@ -46,16 +46,35 @@ def test_precision_contradicting_the_launch_is_refused(monkeypatch):
 
 
 def test_float16_weights_under_the_fp16_loss_scaler_are_refused_before_torch_loads(monkeypatch):
-    """torch's loss scaler refuses to unscale float16 gradients at the first step; DeepSpeed's fp16 keeps float32
-    master weights of its own, and bf16 needs no scaler."""
+    """torch's loss scaler refuses to unscale float16 gradients at the first step; DeepSpeed and FSDP train float32
+    copies of the weights, and bf16 needs no scaler."""
     from textclf.launch import check_launch_early
 
+    float16 = parse_config(["--torch_dtype", "float16", "--report_to", "none"])
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    with pytest.raises(InputError, match=r"^--torch_dtype float16 under fp16 mixed precision: its loss scaler cannot "
+    with pytest.raises(InputError, match=r"^float16 weights under fp16 mixed precision: its loss scaler cannot "
                                          r"unscale float16 gradients .*; keep the weights in float32"):
-        check_launch_early(parse_config(["--torch_dtype", "float16", "--report_to", "none"]))
+        check_launch_early(float16)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(InputError, match="^mixed_precision fp16 needs a CUDA GPU"):  # this machine's, not this rule
+        check_launch_early(float16)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    check_launch_early(parse_config(["--torch_dtype", "float16", "--report_to", "none"]))
+    check_launch_early(float16)
+
+
+def test_a_float16_checkpoint_loaded_by_torch_dtype_auto_is_refused_under_fp16_before_the_data(tmp_path, monkeypatch):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from textclf.job import build_job
+
+    folder = tmp_path / "fp16_model"
+    BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=16)).half().save_pretrained(folder)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    cfg = parse_config(["--model", str(folder), "--torch_dtype", "auto", "--data", str(tmp_path / "unread.csv")])
+    with pytest.raises(InputError, match=r"^float16 weights \(the checkpoint's, by --torch_dtype auto\) under fp16"):
+        build_job(cfg)
 
 
 def fake_wandb(logged_in: bool):

@@ -108,6 +108,8 @@ def test_liger_patches_the_trained_model_alone_and_keeps_its_classifier_forward(
         if fused_linear_cross_entropy:
             model.forward = "a causal LM's forward, which reads model.lm_head"
         model.model.norm.forward = "LigerRMSNorm.forward"
+        # Another family's module, imported to be patched (paligemma's apply patches gemma's).
+        sys.modules["transformers.models.other.modeling_other"] = types.ModuleType("modeling_other")
 
     liger = types.ModuleType("liger_kernel.transformers")
     liger._apply_liger_kernel_to_instance = apply_to_instance
@@ -122,12 +124,13 @@ def test_liger_patches_the_trained_model_alone_and_keeps_its_classifier_forward(
     assert asked == [{"cross_entropy": False, "fused_linear_cross_entropy": False}]
     assert "forward" not in vars(model) and model.model.norm.forward == "LigerRMSNorm.forward"
     assert vars(modeling_llama) == module_before  # the export's copy and later models are built as before
+    assert "transformers.models.other.modeling_other" not in sys.modules  # imported anew, unpatched, when needed
 
 
 @pytest.mark.parametrize("flag, precision", [("auto", "tf32"), ("false", "ieee")])
 def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set(flag, precision):
     """--tf32 false wins over the TF32 accelerate turns on for a launch with a dynamo backend and no mixed precision
-    (legacy allow_tf32); either way the process's setting is back when the run's scope ends."""
+    (torch's legacy allow_tf32); either way the process's setting is back when the run's scope ends."""
     from transformers import BertConfig, BertForSequenceClassification
 
     from textclf.quiet import run_scope
@@ -135,15 +138,19 @@ def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set
 
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     before = (matmul.fp32_precision, conv.fp32_precision)
+    matmul.allow_tf32 = True  # as accelerate's state sets it for such a launch
     gpu = types.SimpleNamespace(device=torch.device("cuda"), distributed_type=DistributedType.NO, mixed_precision="no",
                                 state=types.SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend="no")))
     model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
                                                      num_attention_heads=2, intermediate_size=16))
-    with run_scope():
-        settings = speed_up(model, parse_config(["--tf32", flag, "--torch_compile", "false"]), gpu)
-        assert settings["tf32"] is (flag == "auto")
-        assert (matmul.fp32_precision, conv.fp32_precision) == (precision, precision)
-    assert (matmul.fp32_precision, conv.fp32_precision) == before
+    try:
+        with run_scope():
+            settings = speed_up(model, parse_config(["--tf32", flag, "--torch_compile", "false"]), gpu)
+            assert settings["tf32"] is (flag == "auto")
+            assert (matmul.fp32_precision, conv.fp32_precision) == (precision, precision)
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", before[1])  # the launch's, put back
+    finally:
+        matmul.fp32_precision = before[0]
 
 
 def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():

@@ -296,7 +296,7 @@ def check_machine(launch: dict, precision: str, source: str, target: str, torch_
                   conflicts: list[str], warnings: list[str]) -> None:
     """What the precision and the target machine cannot run: float16 weights under fp16's loss scaler, fp16 and
     FSDP without CUDA, bf16 without native bf16."""
-    if conflict := float16_weights_conflict(precision, launch["distributed_type"] == "DEEPSPEED", torch_dtype):
+    if conflict := float16_weights_conflict(precision, launch["distributed_type"], torch_dtype):
         conflicts.append(conflict)
     if has_cuda(target):
         return

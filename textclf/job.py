@@ -10,6 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TrainConfig
 from .data import fingerprint, load_splits, sample_key, text_sample, tokenize, tokenizing_processes
+from .launch import refuse_float16_weights
 from .modeling import get_tokenizer, lora_settings, make_model, model_config, scratch_size, training_config
 from .task import Task
 
@@ -40,6 +41,8 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
     learnt and the data tokenized: the other processes then find both in the caches.
     """
     config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)  # a model it cannot train stops here
+    if config is not None and cfg.torch_dtype == "auto":  # the weights load in the checkpoint's dtype
+        refuse_float16_weights(cfg, str(config.dtype).removeprefix("torch."))
     train_set, eval_set, label_names, data_fingerprint = load_data(cfg)
     eval_examples = eval_set
     state = PartialState()

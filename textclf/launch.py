@@ -31,9 +31,7 @@ def check_launch_early(cfg) -> None:
     what the training config owns; then, with torch loaded but not yet transformers or the data, what this machine
     lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
-    if conflict := float16_weights_conflict(launch["mixed_precision"], launch["zero_stage"] is not None,
-                                            cfg.torch_dtype):
-        raise InputError(conflict)
+    refuse_float16_weights(cfg, cfg.torch_dtype)
     if launch["zero_stage"] is not None:
         from .deepspeed_config import refuse_conflicts
 
@@ -41,8 +39,7 @@ def check_launch_early(cfg) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        needs = cuda_only("FSDP" if fsdp else None, launch["mixed_precision"])
+        needs = cuda_only("FSDP" if fsdp_launch() else None, launch["mixed_precision"])
         if needs:
             raise InputError("\n".join(f"{need}, and this machine has none: {fix}" for need, fix in needs))
     if cfg.report_to != ["none"]:
@@ -65,13 +62,28 @@ def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str
     return needs
 
 
-def float16_weights_conflict(precision: str, deepspeed: bool, torch_dtype: str) -> Optional[str]:
-    """float16 weights under torch's fp16 loss scaler, which does not unscale float16 gradients (DeepSpeed's fp16
-    keeps float32 master weights of its own); the check reports it too."""
-    if precision == "fp16" and not deepspeed and torch_dtype == "float16":
-        return ("--torch_dtype float16 under fp16 mixed precision: its loss scaler cannot unscale float16 gradients "
-                "(the first step would fail); keep the weights in float32 (--torch_dtype float32, the default), or "
-                "run bf16 on a GPU that has it")
+def refuse_float16_weights(cfg, weights_dtype: str) -> None:
+    """float16_weights_conflict for this launch: `weights_dtype` is --torch_dtype, or with `auto` the checkpoint's
+    (job.build_job, once its config is read)."""
+    launch = this_launch(cfg.mixed_precision)
+    sharded = "DEEPSPEED" if launch["zero_stage"] is not None else "FSDP" if fsdp_launch() else None
+    if conflict := float16_weights_conflict(launch["mixed_precision"], sharded, weights_dtype, cfg.torch_dtype):
+        raise InputError(conflict)
+
+
+def fsdp_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def float16_weights_conflict(precision: str, distributed_type: Optional[str], weights_dtype: str,
+                             torch_dtype: str = "float16") -> Optional[str]:
+    """float16 weights trained under torch's fp16 loss scaler, which does not unscale float16 gradients: the first
+    step would fail. DeepSpeed and FSDP keep float32 copies of the weights they train. The check reports it too."""
+    if precision == "fp16" and distributed_type not in ("DEEPSPEED", "FSDP") and weights_dtype == "float16":
+        loaded = "" if torch_dtype == "float16" else f" (the checkpoint's, by --torch_dtype {torch_dtype})"
+        return (f"float16 weights{loaded} under fp16 mixed precision: its loss scaler cannot unscale float16 "
+                "gradients (the first step would fail); keep the weights in float32 (--torch_dtype float32, the "
+                "default), or run bf16 on a GPU that has it")
     return None
 
 

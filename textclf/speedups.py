@@ -64,16 +64,19 @@ def apply_liger(model: torch.nn.Module) -> None:
     """
     from transformers.integrations.liger import apply_liger_kernel
 
-    namespaces = [vars(module) for name, module in list(sys.modules.items())
-                  if name.startswith("transformers.models.") and module is not None]
-    before = [dict(namespace) for namespace in namespaces]
+    loaded = {name: module for name, module in sys.modules.items()
+              if name.startswith("transformers.models.") and module is not None}
+    before = {name: dict(vars(module)) for name, module in loaded.items()}
     try:
         apply_liger_kernel(model, dict(LIGER_KERNELS))
     finally:
-        for namespace, names in zip(namespaces, before):
-            for added in set(namespace) - set(names):
+        for name, module in loaded.items():
+            namespace = vars(module)
+            for added in set(namespace) - set(before[name]):
                 del namespace[added]
-            namespace.update(names)
+            namespace.update(before[name])
+        for name in [name for name in sys.modules if name.startswith("transformers.models.") and name not in loaded]:
+            del sys.modules[name]  # imported by liger to patch it (a family's apply may reach another's): imported anew
 
 
 def use_liger(asked: Optional[bool], cuda: bool, model_type: Optional[str]) -> bool:
