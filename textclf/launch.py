@@ -27,9 +27,9 @@ def check_command_line(cfg) -> None:
 
 
 def check_launch_early(cfg) -> None:
-    """Once resume.plan_resume has given `cfg` (a resumed run's batch split included): a DeepSpeed JSON hard-coding
-    what the training config owns; then, with torch loaded but not yet transformers or the data, what this machine
-    lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
+    """Once resume.plan_resume has given `cfg` (a resumed run's batch split included): float16 weights under fp16's
+    loss scaler, a DeepSpeed JSON hard-coding what the training config owns; then, with torch loaded but not yet
+    transformers or the data, what this machine lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
     refuse_float16_weights(cfg, cfg.torch_dtype)
     if launch["zero_stage"] is not None:

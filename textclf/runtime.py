@@ -61,8 +61,9 @@ def speed_up(model: torch.nn.Module, cfg: TrainConfig, accelerator: Accelerator)
     settings = resolve_speed(cfg, accelerator.device.type == "cuda", accelerator.distributed_type,
                              accelerator.state.dynamo_plugin, getattr(model.config, "model_type", None))
     settings["padding_multiple"] = padding_multiple(cfg, accelerator)
-    if accelerator.device.type == "cuda":  # set either way: a launch with a dynamo backend and no mixed precision
-        precision = "tf32" if settings["tf32"] else "ieee"  # has accelerate turn TF32 on, which --tf32 false turns off
+    # Set either way on a GPU: a launch with a dynamo backend and no mixed precision has accelerate turn TF32 on.
+    if accelerator.device.type == "cuda":
+        precision = "tf32" if settings["tf32"] else "ieee"
         set_for_the_run(torch.backends.cuda.matmul, "fp32_precision", precision)
         set_for_the_run(torch.backends.cudnn.conv, "fp32_precision", precision)
     if settings["use_liger_kernel"]:
