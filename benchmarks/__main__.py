@@ -38,10 +38,9 @@ from typing import Optional
 
 import torch
 
-from textclf.config import TrainConfig
-from textclf.data import DEFAULT_DATA
+from textclf.config import DEFAULT_DATA, TrainConfig
 from textclf.errors import run_command
-from textclf.quiet import scoped
+from textclf.launch import scoped
 
 from .measure import (
     describe_machine,

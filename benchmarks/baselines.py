@@ -5,7 +5,7 @@
     python -m benchmarks.baselines hf_trainer_default <train.py options>   # the Trainer's defaults
     python -m benchmarks.baselines hf_trainer_fast    <train.py options>   # train.py's settings, its speed flags
 
-Each takes train.py's own options (parsed by textclf.config), so data, split, tokenizer, model
+Each takes train.py's own options (parsed by textclf.cli), so data, split, tokenizer, model
 weights, batch size, steps, seed and hyperparameters are the job's by construction. Each writes
 `log.jsonl` in output_dir the way train.py does with `--logging_steps 1`: one line per optimizer
 step with its wall-clock `time` and throughput, then one line with the eval accuracy. One process,
@@ -27,13 +27,13 @@ from transformers import (
     set_seed,
 )
 
-from textclf.config import TrainConfig, parse_config
+from textclf.cli import parse_config
+from textclf.config import TrainConfig
 from textclf.data import make_loaders
-from textclf.job import build_job
-from textclf.metrics import evaluate_model
-from textclf.modeling import parameter_groups
-from textclf.task import Task
-from textclf.tracking import JsonLinesTracker, Window
+from textclf.loop import JsonLinesTracker, Window
+from textclf.models import build_job, parameter_groups
+from textclf.tasks import Task
+from train import evaluate
 
 BASELINES = {  # name: what runs
     "plain_pytorch": "hand-written PyTorch loop, no Accelerate",
@@ -135,7 +135,9 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool, speed_flags: bool = False
     if speed_flags:
         from transformers.utils import is_liger_kernel_available
 
-        from textclf.speedups import LIGER_KERNELS  # the Trainer's defaults would give the classifier an LM's forward
+        from textclf.models.speed import (
+            LIGER_KERNELS,  # the Trainer's defaults would give the classifier an LM's forward
+        )
 
         # train.py's kernels: the Trainer would keep Liger's RoPE, a modeling module's swap that train.py puts back.
         settings.update(torch_compile=True, use_liger_kernel=is_liger_kernel_available(),
@@ -156,7 +158,7 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool, speed_flags: bool = False
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    log.log(evaluate_model(trainer.model, eval_loader, trainer.accelerator, Task.from_config(cfg)),
+    log.log(evaluate(trainer.model, eval_loader, trainer.accelerator, Task.from_config(cfg)),
             trainer.state.global_step)
 
 

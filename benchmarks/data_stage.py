@@ -20,7 +20,8 @@ from typing import Optional
 
 import datasets
 
-from textclf.data import DEFAULT_DATA, load_table
+from textclf.config import DEFAULT_DATA
+from textclf.data import load_table
 
 from .measure import describe_machine, run_sampled
 

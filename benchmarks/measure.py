@@ -24,11 +24,10 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from textclf.config import TrainConfig
 from textclf.data import EpochLengthGroupedSampler, load_table, select_columns
 from textclf.errors import InputError
-from textclf.job import build_job
-from textclf.lora import apply_lora
-from textclf.modeling import parameter_counts
-from textclf.task import Task
-from textclf.theory import OFFLOADED_BY, model_state_bytes, training_flops_per_token
+from textclf.launch import OFFLOADED_BY, model_state_bytes, training_flops_per_token
+from textclf.models import build_job, parameter_counts
+from textclf.models.lora import apply_lora
+from textclf.tasks import Task
 
 from .plan import OFFLINE, REPO, BenchJob, command, train_args
 
@@ -232,10 +231,11 @@ def median_run(runs: list[dict]) -> dict:
             "failed_runs": len(runs) - len(ok)}
 
 
-# --- model FLOPs and memory by the theory (textclf.theory), and the matmul limit --------------------------
+# --- model FLOPs and memory by the theory (textclf.launch.estimates), and the matmul limit ---------------
 
 def model_flops_per_token(shape: dict, lora: bool, tokens_per_sample: float) -> float:
-    """Training FLOPs per real token of the job's model (textclf.theory); LoRA trains the adapters and head only."""
+    """Training FLOPs per real token of the job's model (textclf.launch.estimates); LoRA trains the adapters and head
+    only."""
     trainable = shape["lora_trainable"] if lora else shape["non_embedding_params"]
     return training_flops_per_token(shape["non_embedding_params"], trainable, shape["layers"], shape["hidden"],
                                     tokens_per_sample)
@@ -243,7 +243,7 @@ def model_flops_per_token(shape: dict, lora: bool, tokens_per_sample: float) -> 
 
 def device_state_bytes(params: int, trainable: int, processes: int, zero_stage: Optional[int], offload: list,
                        mixed: bool, on_gpu: bool) -> float:
-    """The model states one rank holds in its device's memory (textclf.theory): offloaded parts leave
+    """The model states one rank holds in its device's memory (textclf.launch.estimates): offloaded parts leave
     a GPU but stay in the host's memory, so on a CPU they still count."""
     parts = model_state_bytes(params, trainable, world=processes, stage=zero_stage or 0, sixteen_bit=mixed)
     return sum(n for part, n in parts.items() if not (on_gpu and OFFLOADED_BY.get(part) in offload))

@@ -14,9 +14,9 @@ is full and the figures measure the model, not the padding.
 Rows, each a process started the way a user starts it, one process on one device, bf16 autocast on a GPU (fp32 on a
 CPU): `train.py` at its defaults; `plain_pytorch`, a hand-written loop; `hf_trainer`, the Trainer with train.py's
 settings; `hf_trainer_fast`, the Trainer with its own speed flags (torch_compile, and use_liger_kernel where
-liger-kernel is installed). For each: ms per optimizer step, real tokens/s, model FLOP/s (textclf.theory) as a share
-of the matmul rate measured in the same run (bf16's on a GPU), peak GPU memory (nvidia-smi, the allocator's cache
-included) and the share of time the GPU was busy (nvidia-smi's utilization, sampled over the steady steps). The
+liger-kernel is installed). For each: ms per optimizer step, real tokens/s, model FLOP/s (textclf.launch.estimates)
+as a share of the matmul rate measured in the same run (bf16's on a GPU), peak GPU memory (nvidia-smi, the allocator's
+cache included) and the share of time the GPU was busy (nvidia-smi's utilization, sampled over the steady steps). The
 first `--warmup_steps` steps are left out: they compile, allocate and autotune.
 
 Writes DIR/steady.md and DIR/steady.json; each row's log.jsonl in DIR/runs/<job>/<row>/, its console output
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from textclf.data import DEFAULT_DATA, load_table
+from textclf.config import DEFAULT_DATA
+from textclf.data import load_table
 from textclf.errors import run_command
 
 from .baselines import BASELINES

@@ -7,7 +7,7 @@ or $TORCH_EXTENSIONS_DIR) and loads them from there afterwards. Measured here, f
 45 s for the shared-memory comm op, which every DeepSpeed launch on a CPU loads, and about 60 s for
 cpu_adam, which the *_offload configs load; under a test's timeout, and with every test racing for
 the same lock, that is a flaky suite. CI runs this script in one step before the tests. A launch
-that finds an op missing compiles it itself, and says so (textclf.deepspeed_ops.load_deepspeed_ops, which
+that finds an op missing compiles it itself, and says so (textclf.launch.load_deepspeed_ops, which
 this script calls too: a lock left in the cache by a killed build is cleared or reported first).
 
 The ops are built with -march=native: a cache belongs to one machine type, so warm it where the
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's textclf
 
-from textclf.deepspeed_ops import load_deepspeed_ops  # noqa: E402
+from textclf.launch import load_deepspeed_ops  # noqa: E402
 
 # The ops the zoo loads, by builder name: who loads each, and whether a CUDA machine loads it too.
 OPS = {

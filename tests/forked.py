@@ -75,9 +75,9 @@ def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> N
     if "OMP_NUM_THREADS" in os.environ:  # torch read the variable when the server started
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     import train
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
     from textclf.errors import run_command
-    from textclf.runtime import exit_finished_run
+    from textclf.launch import exit_finished_run
 
     try:
         cfg = run_command(lambda: parse_config(args))

@@ -118,7 +118,7 @@ def main() -> None:
         report_cuda_syncs()
 
     import train
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
 
     cfg, resume = train.plan_start(parse_config(sys.argv[1:]), sys.argv[1:])
     try:
@@ -129,7 +129,7 @@ def main() -> None:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"logging_steps": cfg.logging_steps, "eval_steps": cfg.eval_steps,
                        "save_steps": cfg.save_steps, "steps": state["interval"], "events": events}, f, indent=1)
-    from textclf.runtime import exit_finished_run
+    from textclf.launch import exit_finished_run
 
     exit_finished_run()
 

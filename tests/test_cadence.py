@@ -1,4 +1,4 @@
-"""When train.py evaluates, saves and stops (textclf/cadence.py): the Trainer's strategies, the best model,
+"""When train.py evaluates, saves and stops (textclf/loop/schedule.py): the Trainer's strategies, the best model,
 early stopping."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import TINY, read_log, run_train
-from textclf.best_model import find_best_checkpoint, load_best, track_best
-from textclf.cadence import due, patience_ran_out
+from textclf.checkpointing import find_best_checkpoint, verified_best_checkpoint
+from textclf.loop import due, patience_ran_out, record_best_model, track_best
 
 
 def test_strategies_count_optimizer_steps_and_epochs():
@@ -29,12 +29,13 @@ def test_patience_counts_evaluations_without_a_strict_improvement_and_ties_go_to
     assert patience_ran_out(best, 3) and not patience_ran_out(best, 4) and not patience_ran_out(best, None)
 
 
-def test_load_best_puts_the_best_checkpoint_s_weights_back_and_records_its_step(tmp_path):
+def test_the_best_checkpoint_s_weights_go_back_and_its_step_is_recorded(tmp_path):
+    """train.py's end of a --load_best_model_at_end run: the best checkpoint verified, loaded, recorded."""
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.checkpoint import complete
+    from textclf.checkpointing.write import complete
 
     accelerator = Accelerator(cpu=True)
     try:
@@ -48,7 +49,9 @@ def test_load_best_puts_the_best_checkpoint_s_weights_back_and_records_its_step(
         complete(str(tmp_path / "step_2"), {"step": 2})  # position.json with the files' sha256, as a save writes it
         best = {"step": 2, "value": 0.9, "metrics": {"eval_f1": 0.9, "eval_accuracy": 0.8},
                 "checkpoint": "/where/it/was/saved/step_2", "evaluations_without_improvement": 2}
-        assert load_best(accelerator, best, 4, str(tmp_path)) == best["metrics"]
+        folder = verified_best_checkpoint(accelerator, best, str(tmp_path))
+        accelerator.load_state(folder)
+        assert record_best_model(accelerator, best, folder, str(tmp_path)) == best["metrics"]
         assert all(p.equal(at_step_2[name]) for name, p in model.named_parameters())
         run = json.loads((tmp_path / "run.json").read_text())
         assert run["best_model"] == {"step": 2, "checkpoint": str(tmp_path / "step_2"), "eval_f1": 0.9,

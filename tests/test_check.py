@@ -12,8 +12,9 @@ import yaml
 
 from conftest import REPO, TINY, run_train
 from textclf import check
-from textclf.config import DATA_FORMATS, parse_config
-from textclf.theory import model_state_bytes
+from textclf.cli import parse_config
+from textclf.config import DATA_FORMATS
+from textclf.launch import model_state_bytes
 
 ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -173,7 +174,7 @@ def test_before_any_run_a_scratch_model_s_count_is_an_upper_bound_at_the_vocabul
 @pytest.fixture(scope="module")
 def learnt_job(reviews_csv, tmp_path_factory):
     """What train.py builds for scratch-tiny with LoRA on the reviews (it learns and caches their tokenizer)."""
-    from textclf.job import build_job
+    from textclf.models import build_job
 
     cache = tmp_path_factory.mktemp("tokenizer_cache")
     args = ["--model", "scratch-tiny", "--data", str(reviews_csv), "--cache_dir", str(cache), "--max_length", "32"]
@@ -181,7 +182,7 @@ def learnt_job(reviews_csv, tmp_path_factory):
 
 
 def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary(capsys, learnt_job):
-    from textclf.modeling import parameter_counts
+    from textclf.models import parameter_counts
 
     args, job = learnt_job
     expected = parameter_counts(job.model)
@@ -197,8 +198,7 @@ def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_pretrained_model_s_count_is_the_model_train_py_builds(family_model, reviews_csv, tmp_path, lora):
-    from textclf.job import build_job
-    from textclf.modeling import parameter_counts
+    from textclf.models import build_job, parameter_counts
 
     args = ["--model", str(family_model("llama")), "--data", str(reviews_csv), "--cache_dir", str(tmp_path),
             "--max_length", "32", *(["--lora"] if lora else [])]
@@ -319,7 +319,7 @@ def test_float16_weights_under_the_fp16_loss_scaler_are_a_conflict_as_train_py_r
 
 
 def test_torch_compile_in_a_yaml_passes_the_check(capsys, tmp_path):
-    # train.py takes a launch's dynamo settings (runtime.speed_up), compiling the blocks in place.
+    # train.py takes a launch's dynamo settings (models.speed_up), compiling the blocks in place.
     variant = write_yaml(tmp_path / "cpu_compiled.yaml", "cpu.yaml", dynamo_config={"dynamo_backend": "INDUCTOR"})
     status, _, err = run_check(capsys, "--config_file", variant)
     assert status == 0, err
@@ -504,7 +504,7 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
 
 
 def test_the_peak_per_rank_adds_what_each_framework_holds_beyond_the_model_states():
-    from textclf.theory import framework_buffer_bytes
+    from textclf.launch import framework_buffer_bytes
 
     params = 1_000_000
     ddp = framework_buffer_bytes(params, params, world=2, stage=0, layout="fp32", strategy="ddp")

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from textclf.config import field_helps, field_names, parse_config
+from textclf.cli import parse_config
+from textclf.config import field_helps, field_names
 from textclf.errors import InputError
 
 
@@ -122,7 +123,7 @@ def test_an_unknown_recipe_key_gets_a_suggestion_too(tmp_path):
 # --- --help, and every flag the documentation names ---
 
 def test_every_field_is_documented_by_the_docstring_under_it():
-    from textclf.task import KINDS
+    from textclf.tasks import KINDS
 
     helps = field_helps()
     assert list(helps) == field_names() and all(helps.values())

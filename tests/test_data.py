@@ -125,7 +125,7 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_the_cause_and_what_to_do(
 
 def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_path):
     from textclf.data import load_splits
-    from textclf.task import Task
+    from textclf.tasks import Task
 
     path = write(tmp_path / "tabs.csv", "label\treview\npositive\t好\nnegative\t差\n".encode())
     with pytest.raises(InputError, match="its columns are: label\treview .choose with --text_column or pass the "
@@ -135,7 +135,7 @@ def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_p
 
 @pytest.mark.parametrize("encoding", ["utf-8", "gb18030"])
 def test_where_decoding_fails_is_found_across_chunks(tmp_path, rows, encoding):
-    from textclf.data_errors import undecodable
+    from textclf.data.reading import undecodable
 
     good = json_lines(rows).encode(encoding)
     at = good.index("，".encode(encoding), 300)  # a character boundary: before a full-width comma
@@ -154,7 +154,7 @@ def test_a_damaged_tokenizer_cache_is_one_line_and_learnt_again_once_deleted(tmp
     import shutil
 
     from textclf.errors import InputError
-    from textclf.modeling import get_tokenizer
+    from textclf.models.build import get_tokenizer
 
     texts = ["这家店的菜很好吃", "太难吃了，再也不会买了", "送餐很快", "质量很差"] * 20
     learnt = get_tokenizer("scratch-tiny", texts, str(tmp_path), "key", 32)
@@ -178,8 +178,8 @@ def test_the_held_out_split_nobody_asked_for_is_capped_and_one_asked_for_is_not(
     The same draw every time: a resume and the report rebuild it."""
     from datasets import Dataset
 
-    from textclf.data import hold_out
-    from textclf.task import Task
+    from textclf.data.splits import hold_out
+    from textclf.tasks import Task
 
     task = Task.of("single_label", "review", "label")
     table = Dataset.from_dict({"text": [f"评论{i}" for i in range(120_000)], "labels": [i % 3 for i in range(120_000)]})
@@ -222,7 +222,7 @@ def test_eval_split_is_a_fraction_or_a_number_of_examples(eval_split, valid):
 ])
 def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examples(tmp_path, kind, columns, rows):
     from textclf.data import read_labelled, write_examples
-    from textclf.task import Task
+    from textclf.tasks import Task
 
     task = Task.of(kind, *columns)
     source = write(tmp_path / "data.jsonl", json_lines(rows).encode())
@@ -242,7 +242,7 @@ def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examp
 def test_a_text_column_called_text_is_fingerprinted_as_any_other(tmp_path):
     """`datasets` hands a file's own `text` column on as large_string, which Arrow's join did not take."""
     from textclf.data import fingerprint, read_labelled
-    from textclf.task import Task
+    from textclf.tasks import Task
 
     rows = "".join(f"{i % 2},评论{i}\n" for i in range(6))
     prints = {column: fingerprint(read_labelled(write(tmp_path / f"{column}.csv", f"stars,{column}\n{rows}".encode()),

@@ -1,4 +1,4 @@
-"""A diverged run stops before it saves (textclf/divergence.py): one line naming the step, its likely cause and
+"""A diverged run stops before it saves (textclf/loop/divergence.py): one line naming the step, its likely cause and
 the last good checkpoint; no checkpoint of non-finite weights is written; a step the fp16 loss scaler skipped is
 not a divergence; rotation keeps the newest checkpoint."""
 
@@ -11,10 +11,10 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY, assert_refused, train_forked
-from textclf.checkpoint import complete, complete_checkpoints
-from textclf.divergence import DivergenceWatch
+from textclf.checkpointing import complete_checkpoints, rotate
+from textclf.checkpointing.write import complete
 from textclf.errors import InputError
-from textclf.rotation import rotate
+from textclf.loop import DivergenceWatch
 
 NAN, INF = torch.tensor(math.nan), torch.tensor(math.inf)
 

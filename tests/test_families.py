@@ -31,13 +31,12 @@ from conftest import (
 )
 from families import FAMILIES
 from textclf import check
-from textclf.config import parse_config
+from textclf.cli import parse_config
 from textclf.errors import InputError
-from textclf.loading import load_trained
-from textclf.lora import apply_lora
-from textclf.modeling import get_tokenizer, make_model, model_config, parameter_groups, training_config
-from textclf.predict import predict_logits
-from textclf.task import Task
+from textclf.models import load_trained, make_model, model_config, parameter_groups, predict_logits
+from textclf.models.build import get_tokenizer, training_config
+from textclf.models.lora import apply_lora
+from textclf.tasks import Task
 
 ZOO = REPO / "accelerate_configs"
 STRATEGIES = {"single": None, "ddp": "cpu.yaml", "zero3": "zero3.yaml"}
@@ -158,7 +157,7 @@ def test_weights_load_in_the_dtype_asked_for(family_model):
 def test_gradient_checkpointing_gives_lora_the_same_gradients(family_model):
     """Non-reentrant checkpointing: the adapters behind a frozen embedding still get gradients, the same ones."""
     llama_model = family_model("llama")
-    from textclf.lora import apply_lora
+    from textclf.models.lora import apply_lora
 
     tokenizer = get_tokenizer(str(llama_model), None, "unused", "unused", 32)
     batch = tokenizer(PROBE_TEXTS, padding=True, return_tensors="pt")

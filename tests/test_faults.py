@@ -107,7 +107,7 @@ def test_a_run_waiting_on_the_lock_while_overwrite_moves_the_folder_aside_does_n
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf import checkpoint
+    from textclf.checkpointing import output_dir as checkpoint
     from textclf.errors import InputError
 
     out = tmp_path / "run"
@@ -189,7 +189,7 @@ def test_overwrite_with_resume_latest_is_refused(tmp_path, args, four_step_run):
 
 
 def test_a_resume_by_path_over_later_checkpoints_is_refused_unless_overwrite(tmp_path):
-    from textclf.checkpoint import find_resume_checkpoint
+    from textclf.checkpointing.output_dir import find_resume_checkpoint
     from textclf.errors import InputError
 
     for step in (2, 4):
@@ -241,7 +241,7 @@ def test_a_torn_log_line_and_a_killed_save_and_rotation_are_cleared_at_resume(tm
 
 def test_keep_log_until_drops_a_torn_last_line_but_refuses_damage_elsewhere(tmp_path, capsys):
     from textclf.errors import InputError
-    from textclf.tracking import keep_log_until
+    from textclf.loop import keep_log_until
 
     rows = [json.dumps({"step": step, "loss": 0.5}) for step in (1, 2, 3)]
     (tmp_path / "log.jsonl").write_bytes(("\n".join(rows) + "\n" + rows[2][:9]).encode() + "\xe4\xbd".encode("latin-1"))
@@ -254,8 +254,8 @@ def test_keep_log_until_drops_a_torn_last_line_but_refuses_damage_elsewhere(tmp_
 
 
 def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_start_clears_it(tmp_path):
-    from textclf.checkpoint import complete_checkpoints
-    from textclf.leftovers import remove_leftovers
+    from textclf.checkpointing import complete_checkpoints
+    from textclf.checkpointing.output_dir import remove_leftovers
 
     for step in (1, 2, 3):  # checkpoints of many small files, so that deleting one takes a while
         folder = tmp_path / f"step_{step}"
@@ -267,7 +267,7 @@ def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_s
     # deleting a checkpoint, whatever the machine's load, instead of racing a kill from outside.
     killed_mid_deletion = (
         "import os, signal, sys\n"
-        "from textclf.rotation import rotate\n"
+        "from textclf.checkpointing import rotate\n"
         "unlink, deleted = os.unlink, []\n"
         "def unlink_then_die(*args, **kwargs):\n"
         "    unlink(*args, **kwargs)\n"
@@ -292,10 +292,9 @@ def test_a_deletion_or_lock_that_fails_is_one_line_and_leaves_the_checkpoint_who
     """Rotation, a leftover's removal and the output folder's lock fail as one line, not a traceback."""
     import errno
 
-    from textclf.checkpoint import complete_checkpoints, take_lock
+    from textclf.checkpointing import complete_checkpoints, rotate
+    from textclf.checkpointing.output_dir import remove_leftovers, take_lock
     from textclf.errors import InputError
-    from textclf.leftovers import remove_leftovers
-    from textclf.rotation import rotate
 
     for step in (1, 2):
         (tmp_path / f"step_{step}").mkdir()
@@ -340,8 +339,8 @@ BAD_POSITIONS = {
 
 @pytest.mark.parametrize("case", BAD_POSITIONS)
 def test_a_position_outside_the_schedule_is_one_line_per_violation(case):
+    from textclf.checkpointing.resume import check_position
     from textclf.errors import InputError
-    from textclf.resume import check_position
 
     changes, messages = BAD_POSITIONS[case]
     position = {"step": 6, "epoch": 1, "batch_in_epoch": 3, "loss_window": WINDOWS, **changes}
@@ -444,13 +443,14 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
         assert_refused(result, f"cannot export the model to {out / 'model'}")
         assert "--resume latest" in error_lines(result.stderr)[0]
         assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.jsonl", "log.jsonl", "run.json", "step_2"]
-        from textclf.integrity import read_position, verify_files
+        from textclf.checkpointing import read_position
+        from textclf.checkpointing.verify import verify_files
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
 
 
 def test_a_full_disk_while_the_lock_is_written_is_one_line_and_leaves_no_lock_file(tmp_path):
     taking = ("import sys\n"
-              "from textclf.checkpoint import take_lock\n"
+              "from textclf.checkpointing.output_dir import take_lock\n"
               "from textclf.errors import run_command\n"
               "run_command(lambda: take_lock(sys.argv[1]))\n")
     with full_disk(tmp_path / "disk", 0) as (out, limit):
@@ -688,7 +688,7 @@ def test_the_build_folder_deepspeed_ops_looks_in_is_where_torch_takes_its_lock(t
 
 def test_a_build_lock_held_by_a_live_build_is_left_one_that_died_is_removed_once_its_compilers_end(
         tmp_path, capsys):
-    from textclf.deepspeed_ops import release_stale_build_lock
+    from textclf.launch.deepspeed_ops import release_stale_build_lock
 
     lock = tmp_path / "lock"
     holder = hold_like_a_build(lock)

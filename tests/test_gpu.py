@@ -222,7 +222,7 @@ def test_fsdp_resume_needs_allow_pickle(trained, run_args, tmp_path):
 @pytest.mark.parametrize("name", runs("fsdp", "zero2", "zero3"))
 def test_checkpoint_export_meets_the_runs_own_export(name, trained, tmp_path):
     out = trained(name)[0]
-    if name == "fsdp":  # torch.distributed.checkpoint's folder, read by loading.py with dcp_to_torch_save
+    if name == "fsdp":  # torch.distributed.checkpoint's folder, read by models/trained.py with dcp_to_torch_save
         assert (out / f"step_{STEPS}" / "pytorch_model_fsdp_0").is_dir()
     result = run_module("textclf.export", [out / f"step_{STEPS}", tmp_path / "exported", "--allow_pickle"])
     assert "verified" in result.stdout
@@ -246,7 +246,7 @@ def test_checkpoint_export_meets_the_runs_own_export(name, trained, tmp_path):
 def test_export_serves_a_pipeline_on_the_gpu(name, trained):
     from transformers import pipeline
 
-    from textclf.model_folder import PROBE_TEXTS
+    from textclf.models.folder import PROBE_TEXTS
 
     folder = str(trained(name)[0] / "model")
     scores = {}
@@ -318,7 +318,7 @@ def test_no_step_between_log_lines_waits_for_the_gpu(name, tmp_path, reviews_csv
 def test_the_default_job_end_to_end(tmp_path):
     from transformers import pipeline
 
-    from textclf.model_folder import PROBE_TEXTS
+    from textclf.models.folder import PROBE_TEXTS
 
     start = time.time()
     result = run_train(["--output_dir", tmp_path / "out"], timeout=1200)

@@ -24,7 +24,7 @@ from conftest import (
     train_forked,
 )
 from textclf.export import export_checkpoint
-from textclf.loading import checkpoint_weights
+from textclf.models.trained import checkpoint_weights
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 TEXTS = ["质量很好，非常满意", "太差了，不会再买", "一般般吧", "物流很快，包装也好，下次还来",

@@ -20,18 +20,26 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 
 from conftest import OFFLINE, REPO, TINY, assert_refused, free_port, run_train
 from textclf import check
-from textclf.checkpoint import complete, save_checkpoint
-from textclf.config import TrainConfig, parse_config
+from textclf.checkpointing import checkpoint_folder, sealed_checkpoint
+from textclf.checkpointing.write import complete
+from textclf.cli import parse_config
+from textclf.config import TrainConfig
 from textclf.data import read_labelled
-from textclf.deepspeed_config import check_deepspeed_config
-from textclf.errors import InputError, run_command
+from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
-from textclf.failure import PEER_ENDED, peer_ended
-from textclf.loading import load_trained
-from textclf.modeling import make_model, model_config, training_config
+from textclf.launch import check_deepspeed_config
+from textclf.models import load_trained, make_model, model_config
+from textclf.models.build import training_config
 from textclf.predict import read_inputs
-from textclf.runtime import make_accelerator
-from textclf.task import Task
+from textclf.tasks import Task
+from train import make_accelerator
+
+
+def save_checkpoint(accelerator, output_dir: str, position: dict) -> str:
+    """A checkpoint saved as train.py saves one: accelerate's save_state into the folder sealed_checkpoint yields."""
+    with sealed_checkpoint(accelerator, output_dir, position) as folder:
+        accelerator.save_state(folder)
+    return checkpoint_folder(output_dir, position["step"])
 
 
 def code_shipping_folder(tmp_path, position=False):
@@ -282,7 +290,7 @@ def test_a_save_that_fails_because_a_rank_died_does_not_blame_the_disk(peer_gone
 
     accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, save_state=save_state)
     with pytest.raises(InputError) as refused:
-        save_checkpoint(accelerator, str(tmp_path), {"step": 2}, lambda folder: None)
+        save_checkpoint(accelerator, str(tmp_path), {"step": 2})
     message = str(refused.value)
     assert message.startswith(f"cannot save checkpoint {tmp_path / 'step_2'}: {PEER_ENDED} (Connection closed by "
                               "peer")
@@ -313,8 +321,8 @@ def test_a_rank_the_launcher_stopped_during_the_failed_collective_ends_quietly_o
     meanwhile hands the signal to train.py's handler (a checkpoint at the next logging step), then meets the
     collective's failure: it must still end on that SIGTERM, silently, not report the failure after waiting."""
     rank_1 = subprocess.run(
-        [sys.executable, "-c", "from textclf import errors, failure\nerrors.stop_signals.append('SIGTERM')\n"
-                               "failure.report(errors.InputError(failure.PEER_ENDED))"],
+        [sys.executable, "-c", "from textclf import errors\nerrors.stop_signals.append('SIGTERM')\n"
+                               "errors.report(errors.InputError(errors.PEER_ENDED))"],
         env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"}, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert rank_1.returncode == -15 and rank_1.stderr == "", rank_1.stderr
 
@@ -339,12 +347,12 @@ def test_a_deepspeed_json_deepspeed_would_refuse_is_said_once_under_a_launch(tmp
 
 
 def test_an_error_closes_an_open_progress_bar_first(capsys):
-    """failure.report closes the bars tqdm lists in its private _instances, so the error starts a line of its own."""
+    """errors.report closes the bars tqdm lists in its private _instances, so the error starts a line of its own."""
     import io
 
     from tqdm import tqdm
 
-    from textclf.failure import report
+    from textclf.errors import report
 
     bar = tqdm(total=10, file=io.StringIO())
     bar.update(3)

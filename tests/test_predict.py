@@ -9,8 +9,8 @@ import torch
 
 from conftest import REPO, assert_refused, read_csv, refusal, run_module, write_csv
 from textclf.data import clean_text
-from textclf.loading import load_trained
-from textclf.predict import inference_accelerator, main, predict_logits
+from textclf.models import inference_accelerator, load_trained, predict_logits
+from textclf.predict import main
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny
     from datasets import Dataset
 
     from textclf.data import length_sorted_loader, tokenize
-    from textclf.metrics import evaluate_model
-    from textclf.task import Task
+    from textclf.tasks import Task
+    from train import evaluate
 
     model, tokenizer = load_trained(str(tiny_model))
     texts = ["好吃", "太差了", "还行吧", "不错", "一般"]
@@ -129,6 +129,6 @@ def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny
     predict_logits(model, tokenizer, texts, batch_size=2, progress=True)
     assert "predict: " in capsys.readouterr().err
     table = tokenize(Dataset.from_dict({"text": texts, "labels": [1, 0, 1, 1, 0]}), tokenizer, 32)
-    scores = evaluate_model(model, length_sorted_loader(table, tokenizer, 8), inference_accelerator(),
+    scores = evaluate(model, length_sorted_loader(table, tokenizer, 8), inference_accelerator(),
                             Task.of("single_label", "review", "label"))
     assert scores["eval_samples"] == 5 and "eval: " in capsys.readouterr().err

@@ -242,7 +242,7 @@ def test_rotation_keeps_the_newest_and_the_best_and_resume_from_the_best_works(t
 
 
 def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_path):
-    from textclf.rotation import rotate
+    from textclf.checkpointing import rotate
 
     for step, f1 in [(10, 0.9), (20, 0.5), (30, 0.6), (40, 0.7), (50, 0.4)]:
         (tmp_path / f"step_{step}").mkdir()
@@ -253,7 +253,7 @@ def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_pa
 
 
 def test_latest_never_picks_an_incomplete_checkpoint(tmp_path):
-    from textclf.checkpoint import find_resume_checkpoint
+    from textclf.checkpointing.output_dir import find_resume_checkpoint
 
     (tmp_path / "step_10").mkdir()
     (tmp_path / "step_10" / "position.json").write_text("{}")
@@ -286,7 +286,7 @@ def delete(name):
 def set_position(**changes):
     """Edit position.json as one who knows its format would: its own sha256 made again (tests/test_integrity.py
     shows an edit without it refused)."""
-    from textclf.checkpoint import sealed
+    from textclf.checkpointing.verify import sealed
 
     def edit(folder):
         position = json.loads((folder / "position.json").read_text())
@@ -296,7 +296,7 @@ def set_position(**changes):
 
 def record_files(folder):
     """Make position.json's list of files agree with what is there, as someone editing the checkpoint would."""
-    from textclf.checkpoint import manifest
+    from textclf.checkpointing.write import manifest
 
     set_position(files=manifest(str(folder)))(folder)
 
@@ -444,7 +444,7 @@ def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_
     sets the rate it steps with, and only then."""
     import torch
 
-    from textclf.resume import schedule_the_optimizer_that_steps
+    from textclf.checkpointing.resume import schedule_the_optimizer_that_steps
 
     def build():
         weight = torch.nn.Parameter(torch.zeros(4))
@@ -467,9 +467,9 @@ def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_
 @pytest.mark.parametrize("zoo_file", ["zero2_offload.yaml", "zero3_offload.yaml"])
 def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, zoo_file):
     """DeepSpeed's CPU Adam, which accelerate swaps in for train.py's AdamW: after a load the schedule still sets
-    the learning rate it steps with (resume.schedule_the_optimizer_that_steps; without it the run went on at
-    the checkpoint's rate, and losses parted from the second resumed update on), and its bias corrections follow
-    the uninterrupted run's running product (resume.replay_cpu_adam_steps)."""
+    the learning rate it steps with (checkpointing/resume.py's schedule_the_optimizer_that_steps; without it the
+    run went on at the checkpoint's rate, and losses parted from the second resumed update on), and its bias
+    corrections follow the uninterrupted run's running product (checkpointing/resume.py's replay_cpu_adam_steps)."""
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 8, "--save_steps", 4, "--eval_strategy", "no"]
     train([*run, "--output_dir", tmp_path / "full"], config_file=config)
@@ -481,9 +481,9 @@ def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, 
 def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
     """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads
     the metadata of FSDP's sharded state with full pickle, as DeepSpeed reads its shards."""
-    from textclf.checkpoint import FSDP_SHARDED
+    from textclf.checkpointing import FSDP_SHARDED
+    from textclf.checkpointing.resume import refuse_pickle_unless_allowed
     from textclf.errors import InputError
-    from textclf.resume import refuse_pickle_unless_allowed
 
     (tmp_path / FSDP_SHARDED).mkdir()
     position = {"step": 4, "zero_stage": None}
@@ -495,15 +495,15 @@ def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
 # --- resume by path alone: the checkpoint's config, and what a flag may change ---
 
 def resumed_config(argv):
-    """The config train.py's command line `argv` resumes with (resume.resolve: the checkpoint's under argv's)."""
-    from textclf.config import parse_config
-    from textclf.resume import resolve
+    """The config train.py's command line `argv` resumes with (checkpointing.resolve: the checkpoint's under argv's)."""
+    from textclf.checkpointing import resolve
+    from textclf.cli import parse_config
 
     return resolve(parse_config(argv), argv)[2]
 
 
 def fake_checkpoint(folder, **made_with):
-    """A step_<N> folder as far as resume.resolve reads it: position.json holding the config it was made with."""
+    """A step_<N> folder as far as checkpointing.resolve reads it: position.json holding the config it was made with."""
     import dataclasses
 
     from textclf.config import TrainConfig
@@ -515,15 +515,16 @@ def fake_checkpoint(folder, **made_with):
 
 
 def test_a_checkpoint_records_every_key_the_resume_table_rules_on():
-    """start.record (what a fresh run's checkpoints hold) and resume.RESUME_TABLE (imported only to resume) name
-    the same keys: a key recorded but not ruled on would never be checked, one ruled on but not recorded never
-    matches."""
-    from textclf.config import TrainConfig
-    from textclf.resume import RESUME_TABLE
-    from textclf.start import record
+    """train.py's `made_of` (what every checkpoint records of the run) and RESUME_TABLE (what a resume does with
+    each key) name the same keys: a key recorded but not ruled on would never be checked, one ruled on but not
+    recorded never matches."""
+    import ast
 
-    run = {"num_processes": 2, "zero_stage": None, "mixed_precision": "no", "global_batch_size": 64}
-    assert set(record(TrainConfig(), run, "fingerprint")) == set(RESUME_TABLE) - {"config"}
+    from textclf.checkpointing import RESUME_TABLE
+
+    made_of = next(node.value for node in ast.walk(ast.parse((REPO / "train.py").read_text()))
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "made_of")
+    assert {key.value for key in made_of.keys} == set(RESUME_TABLE) - {"config"}
 
 
 MADE_WITH = {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2, "learning_rate": 0.002,
@@ -732,7 +733,7 @@ def dropout_free_model(tmp_path_factory, tiny_model):
     runs whose global batches split into micro-batches differently."""
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    from textclf.model_folder import save_verified
+    from textclf.models import save_verified
 
     model = BertForSequenceClassification.from_pretrained(tiny_model, hidden_dropout_prob=0.0,
                                                           attention_probs_dropout_prob=0.0)

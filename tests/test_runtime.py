@@ -1,16 +1,17 @@
-"""The Accelerator's setup (textclf/runtime.py): precision for a plain run and against the launch's, and
-trackers that cannot start (textclf/trackers.py) stopping the run before anything is written."""
+"""The Accelerator's setup (train.make_accelerator): precision for a plain run and against the launch's, and
+trackers that cannot start (textclf.launch.check_trackers) stopping the run before anything is written."""
 
 import sys
 import types
 
+import accelerate.tracking
 import pytest
 
+import train
 from conftest import TINY, assert_refused, run_train
-from textclf import runtime, trackers
-from textclf.config import parse_config
+from textclf.cli import parse_config
 from textclf.errors import InputError
-from textclf.launch import resolve_precision
+from textclf.launch import check_trackers, resolve_precision
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def fresh_accelerator_state():
 
 def test_mixed_precision_of_a_plain_run_reaches_the_accelerator(monkeypatch, fresh_accelerator_state):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    accelerator = runtime.make_accelerator(parse_config(["--mixed_precision", "bf16", "--report_to", "none"]))
+    accelerator = train.make_accelerator(parse_config(["--mixed_precision", "bf16", "--report_to", "none"]))
     assert accelerator.mixed_precision == "bf16"
 
 
@@ -66,7 +67,7 @@ def test_float16_weights_under_the_fp16_loss_scaler_are_refused_before_torch_loa
 def test_a_float16_checkpoint_loaded_by_torch_dtype_auto_is_refused_under_fp16_before_the_data(tmp_path, monkeypatch):
     from transformers import BertConfig, BertForSequenceClassification
 
-    from textclf.job import build_job
+    from textclf.models import build_job
 
     folder = tmp_path / "fp16_model"
     BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -93,22 +94,22 @@ def fake_wandb(logged_in: bool):
 ])
 def test_a_tracker_that_cannot_start_is_refused(monkeypatch, report_to, modules, message):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard", "wandb"])
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     with pytest.raises(InputError, match=message.replace("(", r"\(")):
-        trackers.check_trackers([report_to])
+        check_trackers([report_to])
 
 
 def test_trackers_that_can_start_pass(monkeypatch):
-    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard", "wandb"])
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: ["tensorboard", "wandb"])
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(True))
-    trackers.check_trackers(["wandb"])
+    check_trackers(["wandb"])
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(False))
     monkeypatch.setenv("WANDB_MODE", "offline")  # an offline run needs no login
-    trackers.check_trackers(["wandb", "tensorboard"])
-    trackers.check_trackers(["tensorboard"])
-    trackers.check_trackers(["none"])
+    check_trackers(["wandb", "tensorboard"])
+    check_trackers(["tensorboard"])
+    check_trackers(["none"])
 
 
 @pytest.mark.parametrize("tracker, shadow", [

@@ -12,11 +12,10 @@ import datasets
 import pytest
 
 from conftest import OFFLINE, REPO, TINY, read_csv, train_forked, write_csv
-from textclf.config import parse_config
-from textclf.data import sample_key, text_sample, tokenizing_processes
+from textclf.cli import parse_config
+from textclf.data import sample_key, text_sample, tokenizing_processes, waiting
 from textclf.errors import InputError
-from textclf.job import build_job, load_data
-from textclf.waiting import waiting
+from textclf.models import build_job, load_data
 
 
 def texts_of(batches) -> list[str]:
@@ -148,7 +147,7 @@ def test_only_the_ids_are_stored_and_the_collator_rebuilds_what_the_model_reads(
     from transformers import BertTokenizerFast, DataCollatorWithPadding
 
     from textclf.data import tokenize
-    from textclf.modeling import train_tokenizer
+    from textclf.models.scratch import train_tokenizer
 
     texts = ["这个手机很好用", "质量太差了，不推荐", "good value", "物流很快", "一般般吧"] * 4
     train_tokenizer(texts, str(tmp_path / "tok"))

@@ -1,5 +1,5 @@
 """What makes a step fast on a GPU, as far as a CPU shows it: which of TF32, Liger's kernels and torch.compile a
-run applies (runtime.resolve_speed), the length buckets of a compiled run, the batches that need no attention
+run applies (models/speed.py's resolve_speed), the length buckets of a compiled run, the batches that need no attention
 mask, and a compiled run that trains, resumes bit for bit and exports the keys an eager run does."""
 
 import json
@@ -22,9 +22,10 @@ from conftest import (
     train_forked,
     write_csv,
 )
-from textclf.config import TrainConfig, parse_config
+from textclf.cli import parse_config
+from textclf.config import TrainConfig
 from textclf.errors import InputError
-from textclf.runtime import resolve_speed
+from textclf.models.speed import resolve_speed
 
 
 def speed(cuda=True, distributed_type=DistributedType.NO, backend="no", model_type="bert", **flags) -> dict:
@@ -97,7 +98,7 @@ def test_liger_patches_the_trained_model_alone_and_keeps_its_classifier_forward(
     from transformers import LlamaConfig, LlamaForSequenceClassification
     from transformers.models.llama import modeling_llama
 
-    from textclf.speedups import apply_liger
+    from textclf.models.speed import apply_liger
 
     asked = []
 
@@ -133,8 +134,8 @@ def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set
     (torch's legacy allow_tf32); either way the process's setting is back when the run's scope ends."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from textclf.quiet import run_scope
-    from textclf.runtime import speed_up
+    from textclf.launch import run_scope
+    from textclf.models import speed_up
 
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     before = (matmul.fp32_precision, conv.fp32_precision)
@@ -156,7 +157,7 @@ def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set
 def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():
     from accelerate import Accelerator
 
-    from textclf.runtime import padding_multiple
+    from textclf.models import padding_multiple
 
     accelerator = Accelerator(cpu=True)
     assert padding_multiple(TrainConfig(), accelerator) is None  # eager fp32: no padding beyond the longest
@@ -168,7 +169,7 @@ def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():
 def test_a_batch_without_padding_goes_without_an_attention_mask_and_computes_the_same(tiny_model):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from textclf.data import Collator
+    from textclf.data.batches import Collator
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model).eval()
@@ -236,7 +237,7 @@ def test_deepspeed_cpu_adam_resumed_with_its_steps_replayed_steps_as_if_never_st
     after 20 steps matches the uninterrupted one bit for bit once its steps are replayed, and not without."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from textclf.resume import replay_cpu_adam_steps
+    from textclf.checkpointing.resume import replay_cpu_adam_steps
 
     gradients = [torch.randn(64, generator=torch.Generator().manual_seed(step)) for step in range(30)]
 

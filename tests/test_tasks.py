@@ -27,9 +27,8 @@ from transformers import AutoModelForSequenceClassification, pipeline
 from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, train_forked
 from textclf.data import clean_text
 from textclf.errors import InputError
-from textclf.loading import load_trained
-from textclf.predict import predict_logits
-from textclf.task import Task
+from textclf.models import load_trained, predict_logits
+from textclf.tasks import Task
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 STEPS, RESUME_AT = 8, 6
@@ -251,7 +250,7 @@ def test_a_task_is_made_by_its_kind():
 
 
 def test_each_kind_in_KINDS_loads_its_class_and_its_main_metric_is_one_of_its_scores():
-    from textclf.task import KINDS
+    from textclf.tasks import KINDS
 
     for name, kind in KINDS.items():
         cls = kind.load()
@@ -270,7 +269,7 @@ def test_each_kind_gives_the_model_config_its_head():
 
 
 def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
     from textclf.errors import InputError
 
     assert parse_config([]).metric_for_best_model == "eval_f1"
@@ -282,7 +281,7 @@ def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
 
 
 def test_the_best_model_and_patience_follow_the_tasks_direction():
-    from textclf.best_model import track_best
+    from textclf.loop import track_best
 
     best = None
     for step, mse in [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.5)]:
@@ -296,7 +295,7 @@ def test_the_best_model_and_patience_follow_the_tasks_direction():
 
 
 def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
-    from textclf.rotation import rotate
+    from textclf.checkpointing import rotate
 
     for step, mse in [(10, 0.5), (20, 0.2), (30, 0.9), (40, 0.7)]:
         (tmp_path / f"step_{step}").mkdir()
@@ -306,23 +305,23 @@ def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
 
 
 def test_the_kind_docs_tasks_md_adds_works_and_passes_its_own_test(monkeypatch):
-    """docs/tasks.md's worked example, pasted as a reader would: the class into textclf/ordinal.py, registered in
+    """docs/tasks.md's worked example, pasted as a reader would: the class into textclf/tasks/ordinal.py, registered in
     KINDS (which --task offers), and its test."""
-    import textclf.task
+    import textclf.tasks.task
     from textclf.config import TrainConfig
 
     task_field = next(field for field in dataclasses.fields(TrainConfig) if field.name == "task")
-    assert typing.get_args(task_field.type) == tuple(textclf.task.KINDS)  # --task offers the registry's kinds
+    assert typing.get_args(task_field.type) == tuple(textclf.tasks.task.KINDS)  # --task offers the registry's kinds
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "tasks.md").read_text(encoding="utf-8"), re.S)
     [kind] = [block for block in blocks if "class Ordinal" in block]
     [entry] = [block for block in blocks if block.lstrip().startswith('"ordinal": Kind(')]
     [test] = [block for block in blocks if "def test_" in block]
-    ordinal = types.ModuleType("textclf.ordinal")
-    ordinal.__package__ = "textclf"
-    monkeypatch.setitem(sys.modules, "textclf.ordinal", ordinal)
+    ordinal = types.ModuleType("textclf.tasks.ordinal")
+    ordinal.__package__ = "textclf.tasks"
+    monkeypatch.setitem(sys.modules, "textclf.tasks.ordinal", ordinal)
     exec(kind, vars(ordinal))
-    for name, registered in eval("{" + entry + "}", vars(textclf.task)).items():
-        monkeypatch.setitem(textclf.task.KINDS, name, registered)
+    for name, registered in eval("{" + entry + "}", vars(textclf.tasks.task)).items():
+        monkeypatch.setitem(textclf.tasks.task.KINDS, name, registered)
         assert registered.main_metric in [f"eval_{key}" for key, _, _ in registered.load().scores]
     tests = {"pytest": pytest, "torch": torch, "Task": Task, "InputError": InputError}
     exec(test, tests)

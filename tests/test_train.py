@@ -114,42 +114,27 @@ def test_the_default_job_resumes_bitwise_exports_and_loads_in_a_pipeline(tmp_pat
     assert_pipeline_predicts_like_the_trained_model(tmp_path / "exported")
 
 
-# What a fresh default run has no use for: each sits in a module of its own, imported where it is first needed.
-ONLY_WHEN_NEEDED = {
-    "textclf.resume": "a run continued from a checkpoint: planned, checked and loaded",
-    "textclf.integrity": "a checkpoint's position.json read, and its files verified before it is loaded",
-    "textclf.leftovers": "what an interrupted run left in the output folder",
-    "textclf.universal": "DeepSpeed's universal checkpoint (a ZeRO resume on another number of processes)",
-    "textclf.deepspeed_ops": "DeepSpeed's C++ ops, compiled at first use",
-    "textclf.data_errors": "why a data file could not be read (encodings, delimiters, JSON)",
-    "textclf.ranks": "what the other ranks of a launch do when one fails",
-    "textclf.pretrained": "a pretrained model's config, tokenizer and load report (--model a hub id or folder)",
-    "textclf.lora": "LoRA's adapters, and a LoRA model folder written and read",
-    "textclf.layer_options": "--torch_compile's blocks (by default on a GPU) and --gradient_checkpointing",
-    "textclf.waiting": "what the other ranks say while the local main process prepares the data",
-    "textclf.failure": "the error path: the error line and the exit, a peer's end, a failed write's or save's cause",
-    "textclf.deepspeed_config": "a DeepSpeed launch's JSON, checked and completed",
-    "textclf.launch_line": "the `accelerate launch` line's process count",
-    "textclf.trackers": "the trackers --report_to names besides log.jsonl",
-    "textclf.speedups": "torch.compile and Liger's kernels (by default on a CUDA GPU)",
-    "textclf.recipe": "a YAML recipe (--config)",
-    "textclf.flag_hints": "the option meant by an unknown key",
-    "textclf.best_model": "the best checkpoint (--load_best_model_at_end)",
-    "textclf.default_corpus": "the default data, built by the run that finds it missing",
-    "textclf.rotation": "checkpoints deleted: past --save_total_limit, or a step's old one that a rerun replaces",
-    "textclf.overwrite": "--overwrite_output_dir over a previous run: moved aside",
-    "textclf.multi_label": "--task multi_label",
-    "textclf.regression": "--task regression",
+# What a fresh default run has no use for, folder by folder: the code of paths it does not take that needs an
+# optional package, and the commands built on the core. A folder's other modules are light, and read by every run.
+NOT_IN_A_DEFAULT_RUN = {
+    "textclf.checkpointing": {"textclf.checkpointing.universal": "DeepSpeed's universal checkpoint (a ZeRO resume on "
+                                                                 "another number of processes)"},
+    "textclf.models": {"textclf.models.lora": "LoRA's adapters and a LoRA model folder (peft)"},
+    "textclf.tasks": {"textclf.tasks.multi_label": "--task multi_label",
+                      "textclf.tasks.regression": "--task regression"},
+    "textclf": {f"textclf.{command}": "a command of its own" for command in ("check", "predict", "report", "export")},
 }
 
 
 def test_a_fresh_default_run_imports_only_what_it_runs(four_step_run):
-    """The default job's first run (conftest's four_step_run: fresh folder, checkpoints, export) imports none of
-    the modules a resume, a fault or DeepSpeed needs: a fork reading one run reads only what it ran."""
+    """The default job's first run (conftest's four_step_run: fresh folder, checkpoints, export) imports none of the
+    code that a run on another path needs (DeepSpeed, LoRA, another task kind) or a command: a fork reading one run
+    reads only what it ran."""
     imported = set(four_step_run.with_name(f"{four_step_run.name}.imports").read_text(encoding="utf-8").split())
-    assert {"textclf.config", "textclf.checkpoint", "textclf.start", "textclf.data"} <= imported  # it was seen
-    assert not imported & set(ONLY_WHEN_NEEDED), {name: ONLY_WHEN_NEEDED[name] for name in imported
-                                                  if name in ONLY_WHEN_NEEDED}
+    assert set(NOT_IN_A_DEFAULT_RUN) | {"textclf.data", "textclf.launch", "textclf.loop"} <= imported  # it was seen
+    unexpected = {module: why for folder in NOT_IN_A_DEFAULT_RUN.values() for module, why in folder.items()
+                  if module in imported}
+    assert not unexpected, unexpected
 
 
 @pytest.mark.slow
@@ -182,7 +167,7 @@ def test_a_local_model_folder_loads_through_from_pretrained(tmp_path, reviews_cs
 
 
 def _saved_scratch_tokenizer(tmp_path, reviews_csv):
-    from textclf.modeling import train_tokenizer
+    from textclf.models.scratch import train_tokenizer
 
     folder = tmp_path / "tokenizer"
     with open(reviews_csv, encoding="utf-8") as f:
@@ -238,9 +223,9 @@ BAD_INPUTS = {
 def refusal(args) -> str:
     """What train.py refuses `args` with, found in this process: parsing, then the data, tokenizer and model
     it would train (what train.py reads before it writes anything)."""
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
     from textclf.errors import InputError
-    from textclf.job import build_job
+    from textclf.models import build_job
 
     with pytest.raises(InputError) as refused:
         build_job(parse_config(list(map(str, args))))
@@ -269,7 +254,7 @@ def test_train_py_says_bad_input_in_one_error_line_with_exit_code_2(case, tmp_pa
 @pytest.mark.slow  # the refusal's rule is in the fast tier (test_speed.py); this is the command's side of it
 def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_before_anything_is_written(
         tmp_path, reviews_csv, cache_dir):
-    """A launch's dynamo settings are taken (runtime.speed_up compiles the blocks with them); a flag that says
+    """A launch's dynamo settings are taken (models.speed_up compiles the blocks with them); a flag that says
     otherwise is one line."""
     out = tmp_path / "out"
     result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
@@ -284,7 +269,7 @@ def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_befor
 
 def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, capsys):
     from textclf.data import load_splits
-    from textclf.task import Task
+    from textclf.tasks import Task
 
     rows = "label,review\n" + "".join(f"{i % 2},\ufeff评论{i}\n" for i in range(40)) + "1,\n0,   \n"
     task = Task.of("single_label", text_column="review", label_column="label")
@@ -298,8 +283,8 @@ def test_tokenization_is_cached_between_runs(tmp_path, reviews_csv):
     from transformers import BertTokenizerFast
 
     from textclf.data import load_splits, tokenize
-    from textclf.modeling import train_tokenizer
-    from textclf.task import Task
+    from textclf.models.scratch import train_tokenizer
+    from textclf.tasks import Task
 
     train, _, _ = load_splits(str(reviews_csv), None, Task.of("single_label", "review", "label"), 0.1, 0)
     train_tokenizer(train["text"], str(tmp_path / "tok"))

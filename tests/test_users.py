@@ -10,7 +10,7 @@ import torch
 
 from textclf.data import load_splits
 from textclf.errors import InputError
-from textclf.task import Task
+from textclf.tasks import Task
 
 SINGLE = Task.of("single_label", text_column="review", label_column="label")
 
@@ -138,7 +138,8 @@ def test_the_same_column_for_text_and_label_is_refused_by_the_config():
 # --- trackers, the Trainer's way ---------------------------------------------------------------------------
 
 def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
-    from textclf.config import TrainConfig, parse_config
+    from textclf.cli import parse_config
+    from textclf.config import TrainConfig
 
     assert parse_config([]).report_to == ["tensorboard"]
     assert parse_config(["--report_to", "wandb", "tensorboard"]).report_to == ["wandb", "tensorboard"]
@@ -148,15 +149,17 @@ def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
 
 
 def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
-    from textclf import trackers
+    import accelerate.tracking
 
-    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard"])
+    from textclf.launch import check_trackers
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: ["tensorboard"])
     with pytest.raises(InputError, match="--report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "
                                          ".*mlflow"):
-        trackers.check_trackers(["tensorbord"])
+        check_trackers(["tensorbord"])
     with pytest.raises(InputError, match="--report_to tensorboard mlflow, but mlflow is not installed; "
                                          "pip install mlflow"):
-        trackers.check_trackers(["tensorboard", "mlflow"])
+        check_trackers(["tensorboard", "mlflow"])
 
 
 @pytest.fixture
@@ -178,8 +181,9 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from textclf import tracking
+    from textclf import loop
     from textclf.config import TrainConfig
+    from textclf.loop.tracking import LOG
 
     class Recorder(GeneralTracker):
         """A tracker registered the way accelerate documents (register_tracker_class): records its project."""
@@ -204,13 +208,12 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
         out = tmp_path / str(project)
         cfg = TrainConfig(report_to=["tensorboard", "recorder"], run_name="first", project_name=project,
                           output_dir=str(out))
-        accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir,
-                                                                       cfg.project_name, cfg.run_name),
-                                  project_dir=cfg.output_dir)
-        tracking.start_trackers(accelerator, cfg.to_dict())
+        accelerator = Accelerator(cpu=True, log_with=loop.log_with(cfg), project_dir=cfg.output_dir)
+        accelerator.init_trackers(cfg.project_name, **loop.tracker_config(cfg))  # as train.py starts them
+        loop.use_trainer_names(accelerator, cfg.report_to)
         for step in (1, 2):
-            tracking.log(accelerator, {"loss": 1.0 / step, "lr": 0.25, "epoch": step / 4}, step)
-        tracking.log(accelerator, {"eval_accuracy": 0.75}, 2)
+            accelerator.log({"loss": 1.0 / step, "lr": 0.25, "epoch": step / 4}, step=step)
+        accelerator.log({"eval_accuracy": 0.75}, step=2)
         accelerator.end_training()
         AcceleratorState._reset_state(True)
     assert Recorder.projects == [None, "reviews"]  # each tracker's own convention, or --project_name
@@ -222,7 +225,7 @@ def test_tensorboard_scalars_read_back_under_the_run_name_and_the_project_is_nev
     assert Recorder.logged[:3] == [{"loss": 1.0, "learning_rate": 0.25, "epoch": 0.25},
                                    {"loss": 0.5, "learning_rate": 0.25, "epoch": 0.5}, {"eval_accuracy": 0.75}]
     # log.jsonl is one of the trackers: accelerator.log wrote it too, one line per call, in its own names
-    logged = [json.loads(line) for line in (tmp_path / "None" / tracking.LOG).read_text().splitlines()]
+    logged = [json.loads(line) for line in (tmp_path / "None" / LOG).read_text().splitlines()]
     assert [(row["step"], row["loss"], row["lr"]) for row in logged[:2]] == [(1, 1.0, 0.25), (2, 0.5, 0.25)]
 
 
@@ -230,19 +233,17 @@ def test_report_to_all_names_the_trackers_it_chose_and_wandb_writes_under_the_ou
         tmp_path, monkeypatch, capsys, fresh_accelerator_state):
     from accelerate import Accelerator
 
-    from textclf import trackers, tracking
+    from textclf import loop
     from textclf.config import TrainConfig
+    from textclf.loop import tracking
 
-    monkeypatch.setattr(trackers, "get_available_trackers", lambda: ["tensorboard"])
+    monkeypatch.setattr(tracking, "get_available_trackers", lambda: ["tensorboard"])
     monkeypatch.delenv("WANDB_DIR", raising=False)
     cfg = TrainConfig(report_to=["all"], output_dir=str(tmp_path / "out"))
-    accelerator = Accelerator(cpu=True, log_with=tracking.trackers(cfg.report_to, cfg.output_dir),
-                              project_dir=cfg.output_dir)
-    started = {}
-    init_trackers = accelerator.init_trackers
-    monkeypatch.setattr(accelerator, "init_trackers", lambda project, config, init_kwargs: (
-        started.update(init_kwargs), init_trackers(project, config=config, init_kwargs=init_kwargs)))
-    tracking.start_trackers(accelerator, cfg.to_dict())
+    accelerator = Accelerator(cpu=True, log_with=loop.log_with(cfg), project_dir=cfg.output_dir)
+    started = loop.tracker_config(cfg)["init_kwargs"]
+    accelerator.init_trackers(cfg.project_name, **loop.tracker_config(cfg))  # as train.py starts them
+    loop.use_trainer_names(accelerator, cfg.report_to)
     accelerator.end_training()
     assert "--report_to all: tensorboard, and log.jsonl" in capsys.readouterr().out
     assert started["wandb"] == {"dir": cfg.output_dir}  # not ./wandb, the repository's root under a launch
@@ -256,13 +257,13 @@ def test_mlflow_s_experiment_is_never_none(monkeypatch, tmp_path, project, varia
     (--project_name, or MLFLOW_EXPERIMENT_NAME, else mlflow's Default experiment as under the Trainer)."""
     from accelerate.tracking import MLflowTracker
 
-    from textclf import tracking
+    from textclf.loop.tracking import named_trackers
 
     if variable:
         monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", variable)
     else:
         monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    [mlflow] = [t for t in tracking.trackers(["mlflow"], str(tmp_path), project, "first") if t.name == "mlflow"]
+    [mlflow] = [t for t in named_trackers(["mlflow"], str(tmp_path), project, "first") if t.name == "mlflow"]
     assert isinstance(mlflow, MLflowTracker) and (mlflow.experiment_name, mlflow.run_name) == (experiment, "first")
 
 
@@ -281,7 +282,7 @@ def test_mlflow_s_experiment_is_never_none(monkeypatch, tmp_path, project, varia
      "column 'review' is both the text and the label column; name the texts with --text_column"),
 ])
 def test_bad_command_lines_are_one_line_saying_what_to_do(argv, message):
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
 
     with pytest.raises(InputError) as refused:
         parse_config(argv)
@@ -295,7 +296,7 @@ def test_bad_command_lines_are_one_line_saying_what_to_do(argv, message):
     ("max_steps: 3\n", ["--max_steps", "0"], False),  # the command line's value
 ])
 def test_a_type_error_in_a_recipe_names_the_recipe(tmp_path, recipe, command_line, blamed):
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
 
     path = write(tmp_path / "recipe.yaml", recipe)
     with pytest.raises(InputError) as refused:
@@ -347,7 +348,7 @@ def test_train_py_warns_once_when_accelerate_launch_starts_one_of_two_processes(
 
 # --- answers in seconds ------------------------------------------------------------------------------------
 
-RUN = {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}  # the launch, as resume.check_against takes it
+RUN = {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}  # the launch, as check_against takes it
 
 
 @pytest.mark.parametrize("position, launch", [
@@ -363,7 +364,7 @@ RUN = {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}  # the laun
      "accelerate launch --config_file accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2"),
 ])
 def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, launch):
-    from textclf.resume import check_against
+    from textclf.checkpointing import check_against
 
     run = {**RUN, "distributed_type": "FSDP"} if launch.startswith("FSDP") else RUN
     with pytest.raises(InputError) as refused:
@@ -373,7 +374,8 @@ def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, 
 
 
 def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names_the_ones_that_can():
-    from textclf.resume import batch_split, check_against, on_this_launch
+    from textclf.checkpointing import batch_split, check_against
+    from textclf.checkpointing.resume import on_this_launch
 
     made = {"world_size": 2, "gradient_accumulation_steps": 3, "per_device_train_batch_size": 8,
             "global_batch_size": 48, "zero_stage": None, "mixed_precision": "no"}
@@ -547,7 +549,7 @@ def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_pa
     import sys
 
     from conftest import REPO
-    from textclf.checkpoint import sealed
+    from textclf.checkpointing.verify import sealed
 
     checkpoint = tmp_path / "out" / "step_3"
     checkpoint.mkdir(parents=True)
@@ -596,10 +598,11 @@ def test_checkpoint_positions_are_read_without_torch_and_name_accelerate_s_fsdp_
     from accelerate.utils.constants import FSDP_MODEL_NAME
 
     from conftest import REPO
-    from textclf.checkpoint import FSDP_SHARDED
+    from textclf.checkpointing import FSDP_SHARDED
 
-    assert FSDP_SHARDED == f"{FSDP_MODEL_NAME}_0"  # written out in checkpoint.py, which must not import accelerate
-    result = subprocess.run([sys.executable, "-X", "importtime", "-c", "import textclf.checkpoint, textclf.launch"],
+    assert FSDP_SHARDED == f"{FSDP_MODEL_NAME}_0"  # written out in checkpointing/, which must not import accelerate
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                             "import textclf.checkpointing, textclf.launch, textclf.cli"],
                             cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert not {"torch", "accelerate"} & imported
@@ -612,7 +615,7 @@ def pretrained_backbone(tmp_path_factory):
     """A tiny BERT saved with its pretraining (masked-LM) head, as hub checkpoints are: no classification head."""
     from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
 
-    from textclf.modeling import train_tokenizer
+    from textclf.models.scratch import train_tokenizer
 
     folder = tmp_path_factory.mktemp("backbone")
     train_tokenizer(["好吃 很好", "太差了 不好", "一般 还行"] * 30, str(folder / "tokenizer"))
@@ -627,8 +630,9 @@ def pretrained_backbone(tmp_path_factory):
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
         pretrained_backbone, capfd, caplog, monkeypatch, verbose):
-    from textclf.lora import apply_lora
-    from textclf.modeling import make_model, training_config
+    from textclf.models import make_model
+    from textclf.models.build import training_config
+    from textclf.models.lora import apply_lora
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
@@ -651,12 +655,12 @@ def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when
 def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backbone, tmp_path, capfd, monkeypatch,
                                                                 verbose):
     """train.py and the export command say "exported" in one line; transformers would add a bar for writing the
-    weights and one for reading them back. Both export inside the run's scope (textclf/quiet.py)."""
+    weights and one for reading them back. Both export inside the run's scope (textclf/launch/process.py)."""
     from transformers.utils import logging as transformers_logging
 
-    from textclf.model_folder import save_verified
-    from textclf.modeling import make_model, training_config
-    from textclf.quiet import run_scope
+    from textclf.launch import run_scope
+    from textclf.models import make_model, save_verified
+    from textclf.models.build import training_config
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
@@ -674,7 +678,8 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
 def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
     import logging
 
-    from textclf.quiet import actionable, run_scope
+    from textclf.launch import run_scope
+    from textclf.launch.process import actionable
 
     with run_scope():  # a run's, put back at its end
         assert actionable in logging.getLogger("DeepSpeed").filters
@@ -702,7 +707,7 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
 
 
 def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_universal_checkpoint():
-    from textclf.resume import needs_universal
+    from textclf.checkpointing import needs_universal
 
     made = {"world_size": 2, "zero_stage": 3}
     assert needs_universal("ck", made, 1, False) and not needs_universal("ck", made, 2, True)
@@ -717,7 +722,7 @@ def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monk
     beside one (conftest puts one there for the session if there is none), so a test that falls back on the default
     output folder fails here too, and the session fails if a test changed checkpoints/, data/ or wandb/."""
     from conftest import REPO
-    from textclf.checkpoint import find_resume_checkpoint
+    from textclf.checkpointing.output_dir import find_resume_checkpoint
     from textclf.errors import InputError
 
     monkeypatch.chdir(REPO)
@@ -777,7 +782,7 @@ def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch)
     import signal
     import warnings
 
-    from textclf.quiet import run_scope
+    from textclf.launch import run_scope
 
     monkeypatch.setenv("TEXTCLF_VERBOSE", verbose)
     deprecated = "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ..."
@@ -798,11 +803,11 @@ def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch)
 
 
 def test_a_library_setting_a_run_changes_is_put_back_when_its_scope_ends():
-    """speed_up's TF32 and dynamo's recompile limit (quiet.set_for_the_run): the run's value inside, the process's
+    """speed_up's TF32 and dynamo's recompile limit (launch.set_for_the_run): the run's value inside, the process's
     after, nested scopes each putting back their own."""
     import torch
 
-    from textclf.quiet import run_scope, set_for_the_run
+    from textclf.launch import run_scope, set_for_the_run
 
     limit, precision = torch._dynamo.config.recompile_limit, torch.backends.cuda.matmul.fp32_precision
     with pytest.raises(KeyError), run_scope():
@@ -826,8 +831,8 @@ def test_a_compiled_run_takes_down_what_it_set_up_in_accelerate_and_torch_when_i
     from accelerate.utils import DynamoBackend
     from transformers import BertConfig, BertForSequenceClassification
 
-    from textclf.quiet import run_scope
-    from textclf.speedups import CompileClock, compile_model
+    from textclf.launch import run_scope
+    from textclf.models.speed import CompileClock, compile_model
 
     accelerator = Accelerator(cpu=True, dynamo_backend="inductor")  # a launch's --dynamo_backend inductor
     model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
@@ -847,7 +852,7 @@ def test_main_twice_in_one_process_starts_and_ends_with_the_same_library_state(t
     """A notebook that calls train.main twice: each run starts from the state the process had, and leaves it so."""
     import train
     from conftest import TINY
-    from textclf.config import parse_config
+    from textclf.cli import parse_config
 
     before = library_state()
     for run in ("first", "second"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import OFFLINE, REPO, TINY, run_train
-from textclf.errors import InputError, write_failed
-from textclf.failure import PEER_ENDED
+from textclf.checkpointing import checkpoint_folder, sealed_checkpoint
+from textclf.errors import PEER_ENDED, InputError, write_failed
 
 VICTIM = "another user's file\n"
 
@@ -30,6 +30,13 @@ def victim(tmp_path) -> Path:
     return elsewhere
 
 
+def save_checkpoint(accelerator, output_dir: str, position: dict) -> str:
+    """A checkpoint saved as train.py saves one: accelerate's save_state into the folder sealed_checkpoint yields."""
+    with sealed_checkpoint(accelerator, output_dir, position) as folder:
+        accelerator.save_state(folder)
+    return checkpoint_folder(output_dir, position["step"])
+
+
 def plant(link: Path, target: Path) -> Path:
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(target)
@@ -42,7 +49,7 @@ def untouched(victim: Path) -> bool:
 
 
 def test_a_link_in_place_of_the_lock_is_refused_and_its_target_left_alone(tmp_path, victim):
-    from textclf.checkpoint import refuse_if_in_use, take_lock
+    from textclf.checkpointing.output_dir import refuse_if_in_use, take_lock
 
     out = tmp_path / "out"
     plant(out / ".lock", victim / "file")
@@ -56,7 +63,7 @@ def test_a_link_in_place_of_the_lock_is_refused_and_its_target_left_alone(tmp_pa
 
 
 def test_run_json_and_its_temporary_file_replace_links_never_write_through_them(tmp_path, victim):
-    from textclf.checkpoint import write_json
+    from textclf.files import write_json
 
     out = tmp_path / "out"
     plant(out / "run.json", victim / "file")
@@ -67,7 +74,8 @@ def test_run_json_and_its_temporary_file_replace_links_never_write_through_them(
 
 
 def test_a_link_in_place_of_log_jsonl_is_refused_when_appending_and_when_resuming(tmp_path, victim):
-    from textclf.tracking import LOG, JsonLinesTracker, keep_log_until
+    from textclf.loop import JsonLinesTracker, keep_log_until
+    from textclf.loop.tracking import LOG
 
     out = tmp_path / "out"
     plant(out / LOG, victim / "file")
@@ -85,15 +93,14 @@ def test_links_in_place_of_a_step_folder_and_its_temporary_folder_are_replaced(t
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.checkpoint import save_checkpoint
-    from textclf.integrity import read_verified_position
+    from textclf.checkpointing import read_verified_position
 
     out = tmp_path / "out"
     plant(out / ".incomplete_step_2", victim / "folder")
     plant(out / "step_2", victim / "folder")
     accelerator = Accelerator(cpu=True)
     try:
-        path = save_checkpoint(accelerator, str(out), {"step": 2}, lambda folder: None)
+        path = save_checkpoint(accelerator, str(out), {"step": 2})
     finally:
         AcceleratorState._reset_state(True)
     assert path == str(out / "step_2") and not (out / "step_2").is_symlink()
@@ -102,12 +109,13 @@ def test_links_in_place_of_a_step_folder_and_its_temporary_folder_are_replaced(t
 
 
 def test_the_exported_model_replaces_links_at_its_folder_and_its_temporary_folder(tmp_path, victim, tiny_model):
-    from textclf.model_folder import load_folder, save_verified
+    from textclf.models import save_verified
+    from textclf.models.folder import load_model_folder
 
     target = tmp_path / "out" / "model"
     plant(target, victim / "folder")
     plant(tmp_path / "out" / ".model.incomplete", victim / "folder")
-    model, tokenizer = load_folder(str(tiny_model))
+    model, tokenizer = load_model_folder(str(tiny_model))
     save_verified(model, tokenizer, str(target), overwrite=True)
     assert not target.is_symlink() and (target / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path / "out")) == ["model"] and untouched(victim)
@@ -156,7 +164,7 @@ TORCH_SAVE_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 
 def test_a_failed_write_names_its_cause_full_disk_out_of_memory_or_a_peer_s_end(tmp_path, monkeypatch):
     import shutil
 
-    from textclf import failure
+    from textclf import errors
 
     def said(error):
         return str(write_failed("save checkpoint", str(tmp_path / "step_2"), error, "the advice"))
@@ -165,10 +173,10 @@ def test_a_failed_write_names_its_cause_full_disk_out_of_memory_or_a_peer_s_end(
         f"cannot save checkpoint {tmp_path / 'step_2'}: No space left on device (")
     # torch.save's own words lose the errno: a file system left full is named full, otherwise its words stay.
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(failure.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage._replace(free=4096))
     assert said(RuntimeError(TORCH_SAVE_FAILED)).startswith(
         f"cannot save checkpoint {tmp_path / 'step_2'}: No space left on device (0.0 MiB free on its file system")
-    monkeypatch.setattr(failure.shutil, "disk_usage", lambda path: usage._replace(free=10 * 2 ** 30))
+    monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage._replace(free=10 * 2 ** 30))
     assert ": [enforce fail at inline_container.cc:672] . unexpected pos" in said(RuntimeError(TORCH_SAVE_FAILED))
     # Out of memory (CUDA's, while ZeRO-3 gathers the weights to save them) is not a full disk.
     oom = said(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)"))
@@ -211,7 +219,6 @@ def test_out_of_memory_while_saving_a_checkpoint_is_named_as_such_and_leaves_not
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.checkpoint import save_checkpoint
 
     accelerator = Accelerator(cpu=True)
 
@@ -221,7 +228,7 @@ def test_out_of_memory_while_saving_a_checkpoint_is_named_as_such_and_leaves_not
     monkeypatch.setattr(accelerator, "save_state", gather_runs_out)
     try:
         with pytest.raises(InputError) as refused:
-            save_checkpoint(accelerator, str(tmp_path), {"step": 2}, lambda folder: None)
+            save_checkpoint(accelerator, str(tmp_path), {"step": 2})
     finally:
         AcceleratorState._reset_state(True)
     assert str(refused.value).startswith(f"cannot save checkpoint {tmp_path / 'step_2'}: out of memory (CUDA out of "

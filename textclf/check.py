@@ -25,8 +25,9 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-from .config import TrainConfig, parse_config, require_data
-from .errors import InputError, run_command
+from textclf.cli import parse_config
+from textclf.config import TrainConfig, require_data
+from textclf.errors import InputError, run_command
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -55,7 +56,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
                          "--config_file for accelerate's default config")
     cfg = parse_config(training_args)
     if cfg.resume:  # the checkpoint's config under the command line's, as train.py resumes it
-        from .resume import resolve
+        from textclf.checkpointing import resolve
 
         cfg = resolve(cfg, training_args)[2]
     return args, cfg
@@ -67,16 +68,29 @@ if __name__ == "__main__":
 
 import torch
 
-from .data import sample_key
-from .deepspeed_config import check_deepspeed_config, deepspeed_conflicts
-from .integrity import read_verified_position
-from .job import load_data
-from .launch import cuda_only, float16_weights_conflict, zero_offload
-from .launch_line import fewer_processes
-from .modeling import (
+from textclf.checkpointing import batch_split, check_against, find_checkpoint, needs_universal, read_verified_position
+from textclf.data import sample_key
+from textclf.launch import (
+    BYTES_PER_PARAM,
+    FRAMEWORK_BASELINE_BYTES,
+    OFFLOADED_BY,
+    SHARDED_FROM_STAGE,
+    activation_bytes,
+    check_deepspeed_config,
+    cuda_only,
+    deepspeed_conflicts,
+    fewer_processes,
+    float16_weights_conflict,
+    framework_buffer_bytes,
+    model_state_bytes,
+    scoped,
+    zero_offload,
+)
+from textclf.models import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
     layer_classes,
+    load_data,
     lora_settings,
     make_model,
     model_config,
@@ -85,19 +99,7 @@ from .modeling import (
     scratch_size,
     scratch_tokenizer_folder,
 )
-from .quiet import scoped
-from .resume import batch_split, check_against, needs_universal
-from .start import find_checkpoint
-from .task import Task
-from .theory import (
-    BYTES_PER_PARAM,
-    FRAMEWORK_BASELINE_BYTES,
-    OFFLOADED_BY,
-    SHARDED_FROM_STAGE,
-    activation_bytes,
-    framework_buffer_bytes,
-    model_state_bytes,
-)
+from textclf.tasks import Task
 
 
 def read_launch(args: argparse.Namespace) -> dict:
@@ -136,7 +138,7 @@ def read_launch(args: argparse.Namespace) -> dict:
     cuda = has_cuda(args.target)
     if launcher == "deepspeed":
         distributed_type = "DEEPSPEED"
-    elif launcher == "torchrun":  # train.py forms a gloo group on the CPU where there is no CUDA (runtime.py)
+    elif launcher == "torchrun":  # train.py forms a gloo group on the CPU where there is no CUDA
         distributed_type = "FSDP" if env.get("ACCELERATE_USE_FSDP") == "true" else "MULTI_GPU" if cuda else "MULTI_CPU"
     else:
         distributed_type = "MULTI_CPU" if launcher == "mpirun" else "NO"
@@ -301,7 +303,7 @@ def check_machine(launch: dict, precision: str, source: str, target: str, torch_
     if has_cuda(target):
         return
     machine = "this machine" if target == "here" else "the target machine (--target cpu)"
-    for need, fix in cuda_only(launch["distributed_type"], precision):  # train.py refuses the same (launch.py)
+    for need, fix in cuda_only(launch["distributed_type"], precision):  # train.py refuses the same
         where = f"precision ({source})" if need.startswith("mixed_precision") else launch["path"]
         conflicts.append(f"{where}: {need}, and {machine} has no CUDA GPU: train.py refuses it there; {fix}, or "
                          "--target cuda for a GPU machine")
@@ -365,7 +367,7 @@ def count_parameters(cfg: TrainConfig) -> tuple[int, int]:
 
 def check_fsdp_wrap(launch: dict, model, model_name: str, conflicts: list[str], warnings: list[str]) -> Optional[str]:
     """The layer classes FSDP will wrap one by one: those the yaml names, which the model must have, or the
-    model's own (modeling.layer_classes, which make_model hands to accelerate)."""
+    model's own (layer_classes, which make_model hands to accelerate)."""
     if (launch["fsdp_auto_wrap_policy"] or "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
         return None
     named = launch["fsdp_transformer_layer_cls_to_wrap"]
@@ -518,7 +520,7 @@ def predicted_peak(cfg: TrainConfig, config, states: dict, offloaded: list, *, k
                    zero: dict, layout: str, precision: str, params: int, trainable: int,
                    on_gpu: bool) -> list[tuple[str, str]]:
     """The report's lines for the peak memory one rank will hold: model states, what DDP or DeepSpeed add
-    (theory.framework_buffer_bytes), activations, and on a CPU the process itself."""
+    (framework_buffer_bytes), activations, and on a CPU the process itself."""
     buffers = framework_buffer_bytes(
         params, trainable, world=world, stage=stage, layout=layout,
         strategy={"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "DEEPSPEED": "deepspeed"}.get(kind, kind),

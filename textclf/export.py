@@ -5,15 +5,15 @@
     python -m textclf.export checkpoints/model merged/ --merge          # or from an exported LoRA folder
 
 Whatever wrote the source (one process, DDP, ZeRO-2/3, FSDP), the folder is the one train.py exports at
-the end of a run (textclf/model_folder.py: its layout, with LoRA too), verified the same way before it takes
+the end of a run (its layout, with LoRA too: docs/after-training.md), verified the same way before it takes
 the target's place: no empty tensor, it reloads, and it predicts what the trained model predicts.
 """
 
 import argparse
 from typing import Optional
 
-from .errors import run_command
-from .tool_options import add_loading_options, require_trained_model
+from textclf.cli import add_loading_options, require_trained_model
+from textclf.errors import run_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,9 +33,8 @@ if __name__ == "__main__":
     ARGS = run_command(parse_args)
 
 
-from .loading import load_trained, read_training
-from .model_folder import refuse_existing, save_verified
-from .quiet import scoped
+from textclf.launch import scoped
+from textclf.models import load_trained, read_training, refuse_existing, save_verified
 
 
 def export_checkpoint(source: str, target: str, *, merge: bool = False, overwrite: bool = False,

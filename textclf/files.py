@@ -4,9 +4,16 @@ O_NOFOLLOW) and renamed over its final name (os.replace replaces a link, never f
 (the lock, log.jsonl) refuses a link (O_NOFOLLOW); a link in place of a folder is removed, never walked into.
 """
 
+from __future__ import annotations
+
 import contextlib
+import hashlib
+import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+from textclf.errors import write_failed
 
 # Open flags for a file this process writes, never through a link; O_CLOEXEC: no child process inherits it.
 NO_LINK = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -32,7 +39,6 @@ def open_new(path: str, mode: str = "w", **kwargs):
 def replacing(path: str, mode: str = "w", *, advice: str, what: str = "write", suffix: str = ".tmp", **kwargs):
     """A new file (open_new) that replaces `path` in one rename when the block ends: readers never see half a
     file. A failed write is one line (errors.write_failed), and the temporary file is removed."""
-    from .errors import write_failed
 
     tmp = f"{path}{suffix}"
     try:
@@ -72,3 +78,31 @@ def new_folder(path: str) -> None:
     """An empty folder at `path`, made afresh: what was there (a folder, a file, a link) is removed first."""
     remove(path)
     os.mkdir(path)
+
+
+def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
+    """Write through a temporary file and a rename, so readers never see half a file (and never through a
+    symbolic link: textclf/py)."""
+    with replacing(path, encoding="utf-8", advice=advice) as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()  # hashlib.file_digest would do this, from Python 3.11 on
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2 ** 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_all(paths: list[str]) -> list:
+    """sha256 of each file, or the OSError that reading it raised; in threads, as hashlib hashes without
+    holding the GIL (docs/checkpoints.md: what it costs)."""
+    def digest(path):
+        try:
+            return sha256(path)
+        except OSError as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(digest, paths))

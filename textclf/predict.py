@@ -4,7 +4,7 @@
     python -m textclf.predict --model checkpoints/step_500 --file new.csv --text_column review --output out.csv
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.predict --model ... --file ... --output ...
 
-Each row holds what the task predicts (textclf/task.py): label id, name and a probability per label;
+Each row holds what the task predicts: label id, name and a probability per label;
 the predicted label names and a sigmoid per label; or the score. The task, the columns and the
 threshold are those the model was trained with (its training.json, or a checkpoint's position.json)
 unless given here. One output row per input row, in input order, on any number of processes: batches
@@ -18,10 +18,10 @@ import dataclasses
 import json
 from typing import Optional
 
-from . import files
-from .config import TrainConfig, require_data
-from .errors import InputError, die_with_launcher, run_command
-from .tool_options import add_loading_options, add_task_options, require_trained_model
+from textclf import files
+from textclf.cli import add_loading_options, add_task_options, require_trained_model
+from textclf.config import TrainConfig, require_data
+from textclf.errors import InputError, die_with_launcher, run_command
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
 
@@ -58,11 +58,10 @@ import torch
 from accelerate import Accelerator
 from transformers.utils import logging as transformers_logging
 
-from .data import clean_text, load_table, require_text_column
-from .loading import load_trained, read_training
-from .model_folder import predict_logits
-from .quiet import scoped
-from .task import Task
+from textclf.data import clean_text, load_table, require_text_column
+from textclf.launch import scoped
+from textclf.models import load_trained, predict_logits, read_training
+from textclf.tasks import Task
 
 
 def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None):
@@ -77,7 +76,7 @@ def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding
 
 def inference_accelerator() -> Accelerator:
     """One process, or as many as `accelerate launch` starts. Without CUDA, `cpu=True` is what makes
-    a multi-process launch form a gloo group (runtime.py); inference needs no DeepSpeed."""
+    a multi-process launch form a gloo group; inference needs no DeepSpeed."""
     return Accelerator(cpu=not torch.cuda.is_available())
 
 
@@ -97,7 +96,7 @@ def run_config(model_path: str, options: dict) -> TrainConfig:
 
 def write_rows(rows: list[dict], path: str) -> None:
     """CSV or JSON Lines by the file's suffix, through a temporary file and a rename (never through a symbolic
-    link: textclf/files.py). In CSV a list (the predicted label names) is written as a JSON list, which training
+    link). In CSV a list (the predicted label names) is written as a JSON list, which training
     and report read back as one."""
     with files.replacing(path, suffix=".incomplete", encoding="utf-8", newline="",
                          advice="free space (or choose another --output), then predict again") as f:

@@ -4,8 +4,8 @@
     python -m textclf.report --model checkpoints/model --output_dir report/    # the examples the run evaluated
     accelerate launch --config_file accelerate_configs/cpu.yaml -m textclf.report --model ... --file ... ...
 
-Prints the task's scores (textclf/task.py) for the model and for a TF-IDF + linear baseline fitted on
-the examples the model was trained on (textclf/baseline.py), then what the task adds (Task.figures: a
+Prints the task's scores for the model and for a TF-IDF + linear baseline fitted on
+the examples the model was trained on (baseline_predictions, below), then what the task adds (Task.figures: a
 precision / recall / F1 / support table per class or per label, with their names). Writes it all to
 <output_dir>/report.json, and draws the task's picture (Task.picture: the confusion matrix, or the
 predicted against the true scores). The task, the columns and the training data are those of the run
@@ -17,10 +17,10 @@ import os
 import sys
 from typing import Optional
 
-from . import files
-from .config import DEFAULT_DATA, HELD_OUT, TrainConfig, require_data
-from .errors import InputError, die_with_launcher, run_command, write_failed
-from .tool_options import add_loading_options, add_task_options, require_trained_model
+from textclf import files
+from textclf.cli import add_loading_options, add_task_options, require_trained_model
+from textclf.config import DEFAULT_DATA, HELD_OUT, TrainConfig, require_data
+from textclf.errors import InputError, die_with_launcher, run_command, write_failed
 
 REPORT = "report.json"
 
@@ -65,18 +65,20 @@ if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below.
     ARGS = run_command(parse_args)
 
+import time
+
 import numpy as np
+import scipy.sparse
 from datasets import Dataset
+from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.metrics import classification_report
 from transformers.utils import logging as transformers_logging
 
-from .baseline import baseline_predictions
-from .checkpoint import write_json
-from .data import fingerprint, load_splits, read_labelled
-from .loading import load_trained, read_training
-from .predict import inference_accelerator, label_names, predict_logits, run_config
-from .quiet import scoped
-from .task import Task
+from textclf.data import fingerprint, load_splits, read_labelled
+from textclf.files import write_json
+from textclf.launch import scoped
+from textclf.models import inference_accelerator, label_names, load_trained, predict_logits, read_training, run_config
+from textclf.tasks import Task
 
 
 def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path: str) -> Dataset:
@@ -131,8 +133,8 @@ def pyplot():
 
 
 def save_figure(figure, path: str) -> None:
-    """Write the picture through a temporary file and a rename (never through a symbolic link:
-    textclf/files.py), then let the figure go."""
+    """Write the picture through a temporary file and a rename (never through a symbolic link), then let the figure
+    go."""
     figure.tight_layout()
     try:
         with files.replacing(path, "wb", suffix=".incomplete.png",
@@ -226,6 +228,41 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
             DRAWINGS[picture](report, references, predictions, title, os.path.join(args.output_dir, picture))
         print(f"wrote {REPORT}{f' and {picture}' if picture else ''} to {args.output_dir}")
     accelerator.end_training()
+
+
+
+# The baseline: a TF-IDF of character 1-3-grams (sublinear term frequency) and the task's linear model
+# (Task.baseline), fitted on the examples the model was trained on, in seconds on a CPU. Character n-grams need no word
+# segmentation (Chinese has no spaces); for pairs, each text is a vector of its own, and their elementwise product adds
+# the n-grams the two share.
+
+def features(vectorizer: TfidfVectorizer, table: Dataset, fit: bool = False):
+    """One row per example: the text's n-grams, or for a pair both texts' and what they share. With `fit`,
+    the vectorizer first learns its vocabulary and idf from every text (each is analysed once)."""
+    texts = table["text"][:]
+    pairs = table["text_pair"][:] if "text_pair" in table.column_names else []
+    matrix = (vectorizer.fit_transform if fit else vectorizer.transform)(texts + pairs)
+    if not pairs:
+        return matrix
+    text, pair = matrix[:len(texts)], matrix[len(texts):]
+    return scipy.sparse.hstack([text, pair, text.multiply(pair)]).tocsr()
+
+
+def baseline_predictions(task: Task, train: Dataset, test: Dataset) -> tuple[list, dict]:
+    """(predictions on `test` in the form the task's scores take, what was fitted and how long it took).
+
+    `train` and `test` have the columns load_splits gives (`text`, `text_pair` for pairs, `labels`).
+    """
+    start = time.perf_counter()
+    vectorizer = TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True)
+    train_features = features(vectorizer, train, fit=True)
+    model, method = task.baseline()
+    model.fit(train_features, np.asarray(train["labels"][:]))
+    seconds = time.perf_counter() - start
+    predictions = model.predict(features(vectorizer, test))
+    about = {"method": f"TF-IDF of character 1-3-grams + {method}", "train_examples": len(train),
+             "fit_seconds": round(seconds, 2)}
+    return predictions.tolist(), about
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""A diverged run stops before it saves: a loss, gradient norm or weight that is not finite ends the run with one
+line naming the step, the likely cause and the last good checkpoint; no checkpoint of NaN weights is written.
+
+No step waits for the device: losses and gradient norms fold into a number kept there, read at the log lines
+(which wait for the loss anyway) and before every evaluation and save, where the weights are checked too. A step
+the fp16 loss scaler skipped (an overflow) is no divergence: nothing of it reached the weights.
+"""
+
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from textclf.checkpointing import complete_checkpoints
+from textclf.errors import InputError
+
+LOSS, GRAD_NORM = 1, 2  # what was not finite, as bits of the code kept per step: code = step * 4 + bits
+
+
+class DivergenceWatch:
+    """Non-finite losses and gradient norms of the steps the optimizer took, kept on the device until `check`."""
+
+    def __init__(self, accelerator: Accelerator, learning_rate: float, clipping: bool, output_dir: str):
+        self.accelerator, self.learning_rate, self.clipping = accelerator, learning_rate, clipping
+        self.output_dir = output_dir
+        self.first = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the first bad step's code; 0: none
+        self.step_bits = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the running step's
+
+    def add(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor] = None) -> None:
+        """Fold one micro-batch's loss into optimizer step `step` and, where gradients sync, the step's gradient
+        norm (the clip's, or DeepSpeed's own), unless the loss scaler skipped the step."""
+        self.step_bits |= (~torch.isfinite(loss.detach())).long() * LOSS
+        if not self.accelerator.sync_gradients:
+            return
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            grad_norm = self.accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()  # None: not computed
+        if grad_norm is not None:
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2's clip returns a DTensor, which plain tensors cannot mix with
+                grad_norm = grad_norm.full_tensor()
+            norm = torch.as_tensor(grad_norm, device=self.first.device)
+            self.step_bits |= (~torch.isfinite(norm)).long() * GRAD_NORM
+        if not self.accelerator.optimizer_step_was_skipped:
+            self.first = torch.where((self.first == 0) & (self.step_bits > 0), step * 4 + self.step_bits, self.first)
+        self.step_bits = torch.zeros_like(self.step_bits)
+
+    def check(self, step: int, model=None) -> None:
+        """Stop the run (an InputError) if any step until `step` diverged on any process, or the `model`'s weights are
+        not finite: every process calls it at the same steps and stops alike."""
+        weights_bad = torch.zeros((), dtype=torch.long, device=self.first.device)
+        if model is not None:
+            weights_bad = (~all_finite(model, self.first.device)).long()
+        codes, bad = self.accelerator.gather(torch.stack([self.first, weights_bad]).view(1, 2)).view(-1, 2).T.tolist()
+        codes = [code for code in codes if code]
+        if codes:
+            first, bits = divmod(min(codes), 4)
+            what = [name for bit, name in ((LOSS, "loss"), (GRAD_NORM, "gradient norm")) if bits & bit]
+            raise self.diverged(f"step {first}: its {' and '.join(what)} {'are' if len(what) > 1 else 'is'} not finite "
+                                "(NaN or inf)")
+        if any(bad):
+            raise self.diverged(f"step {step}: the weights it reached are not finite (NaN or inf)")
+
+    def diverged(self, where: str) -> Exception:
+        return diverged(where, self.output_dir, self.learning_rate, self.clipping)
+
+
+def all_finite(model, device) -> torch.Tensor:
+    """Whether every weight this process holds (its ZeRO-3 `ds_tensor` or FSDP shard, else the whole weight) is
+    finite, as a tensor on `device`, not read back."""
+    flags = []
+    for parameter in model.parameters():
+        local = getattr(parameter, "ds_tensor", None)
+        if local is None:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        if local.numel():
+            flags.append(torch.isfinite(local.detach()).all().to(device))
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+
+
+def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool) -> InputError:
+    """divergence.DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
+    the remedy is a new run."""
+
+    found = complete_checkpoints(output_dir)
+    last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
+                 else "no checkpoint was saved before it")
+    clip = "" if clipping else " (or clip gradients with --max_grad_norm 1.0)"
+    return InputError(f"training diverged at {where}; the learning rate {learning_rate:g} is likely too high. "
+                      f"Nothing of it was saved: {last_good}; start a new run with a lower --learning_rate{clip}")

@@ -1,0 +1,230 @@
+"""Every model is built by make_model: to train, to read back, the check's, the export's copy, from a scratch config or
+pretrained weights, with LoRA's adapters where asked; its tokenizer; AdamW's parameter groups and the counts a run
+reports.
+"""
+
+import os
+import pickle
+import time
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from transformers import (
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from textclf.errors import InputError, say
+
+from .pretrained import (
+    MODEL_CLASS,
+    MODEL_CLASS_MAPPING,
+    load_pretrained_tokenizer,
+    load_refused,
+    load_report_as_one_line,
+    read_config,
+    with_head,
+)
+from .scratch import load_learnt_tokenizer, scratch_config, scratch_size, scratch_tokenizer_folder, train_tokenizer
+
+# Parameter names that take no weight decay, as the Trainer names them (Trainer.get_decay_parameter_names).
+NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def model_config(model: str, max_length: int, trust_remote_code: bool = False) -> Optional[PretrainedConfig]:
+    """A pretrained model's config, checked before any weight is read (read_config); None for a
+    scratch model (scratch_config)."""
+    if scratch_size(model):
+        return None
+
+    return read_config(model, max_length, trust_remote_code)
+
+
+def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length: int,
+                  trust_remote_code: bool = False):
+    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from `texts` (strings or
+    batches of them) and cached under `texts_key` (sample_key). Call it on the local main process first:
+    the others then find the cached one."""
+    if not scratch_size(model):
+        return load_pretrained_tokenizer(model, trust_remote_code)
+    folder = scratch_tokenizer_folder(cache_dir, texts_key)
+    start, learnt = time.perf_counter(), not os.path.isdir(folder)
+    if learnt:
+        train_tokenizer(texts, folder)
+    tokenizer = load_learnt_tokenizer(folder, max_length)
+    if learnt:
+        say(f"data: learnt a tokenizer of {len(tokenizer):,} tokens in {time.perf_counter() - start:.1f} s, cached "
+            f"in {folder}")
+    else:
+        say(f"data: a tokenizer of {len(tokenizer):,} tokens from the cache, {folder}")
+    return tokenizer
+
+
+def training_config(model: str, tokenizer, head: dict, max_length: int, *, config: Optional[PretrainedConfig] = None,
+                    trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of the model to train, with the task's head (Task.head_config: label names, and the
+    `problem_type` that picks the model's loss) and the tokenizer's pad token: a scratch BERT's, or `model`'s own
+    (`config`, if the caller has read it with model_config)."""
+    size = scratch_size(model)
+    if size:
+        return scratch_config(size, len(tokenizer), max_length, pad_token_id=tokenizer.pad_token_id, **head)
+
+    return with_head(config or model_config(model, max_length, trust_remote_code), head, tokenizer.pad_token_id)
+
+
+def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: bool = False,
+               source: str = "the trained model", torch_dtype: Optional[str] = None,
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> PreTrainedModel:
+    """Every model of the project, as a MODEL_CLASS of `config`.
+
+    `weights`: None for fresh random ones (none at all under `torch.device("meta")`, the check's); a hub id or
+    folder for `from_pretrained` (a backbone to fine-tune, or with `complete` a model folder, which must hold every
+    weight); or a full state dict (a step_<N> checkpoint's, an export's copy), which must fit exactly, LoRA's
+    adapters included; `source` names it in the refusal.
+    `lora`: None; apply_lora's keywords for new adapters; or a folder of trained ones (whose base `weights` then
+    holds). `torch_dtype`: a torch dtype's name, "auto" for the checkpoint's, or None for the libraries' defaults
+    (from_pretrained: float32; from_config: the config's dtype, the trained model's).
+    """
+    dtype = {} if torch_dtype in (None, "auto") else {"dtype": getattr(torch, torch_dtype)}
+    if isinstance(weights, str):
+        model = from_pretrained(weights, config, complete, {"dtype": "auto"} if torch_dtype == "auto" else dtype,
+                                trust_remote_code)
+    elif type(config) in MODEL_CLASS_MAPPING:
+        # The class itself, not from_config: under ZeRO-3 from_config builds the weights already partitioned
+        # (deepspeed.zero.Init), drawing other random numbers than DDP or one process from the same seed.
+        model = MODEL_CLASS_MAPPING[type(config)](config)
+        wanted = dtype.get("dtype", config.dtype)  # from_config's default: the config's own dtype
+        if wanted is not None:
+            model = model.to(getattr(torch, wanted) if isinstance(wanted, str) else wanted)
+    else:  # a folder's own model class (trust_remote_code)
+        try:
+            model = MODEL_CLASS.from_config(config, trust_remote_code=trust_remote_code, **dtype)
+        except ValueError as e:
+            raise load_refused(source, e, f"cannot build the model of {source}") from None
+    # accelerate's FSDP plugin wraps the classes in `_no_split_modules` when the yaml names none.
+    model._no_split_modules = layer_classes(model)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if isinstance(lora, dict):  # before prepare: DDP and DeepSpeed must see which parameters train
+        from .lora import apply_lora
+
+        model = apply_lora(model, **lora)
+    if isinstance(weights, dict):
+        load_weights(model, weights, source)
+    if isinstance(lora, str):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, lora)
+    return model
+
+
+def from_pretrained(weights: str, config: PretrainedConfig, complete: bool, dtype: dict,
+                    trust_remote_code: bool) -> PreTrainedModel:
+    """make_model's `from_pretrained`: a backbone, whose new head is said in one line, or with `complete` a model
+    folder, which must hold every weight (from_pretrained would fill what is missing with random ones, and only
+    warn)."""
+    if complete:
+        report = nullcontext()
+    else:
+        report = load_report_as_one_line(weights)
+    try:
+        with report:
+            model, info = MODEL_CLASS.from_pretrained(weights, config=config, ignore_mismatched_sizes=True,
+                                                      output_loading_info=True, trust_remote_code=trust_remote_code,
+                                                      **dtype)
+    except SafetensorError as e:
+        raise InputError(f"cannot load a model from {weights}: a weights file is damaged or incomplete "
+                         f"({str(e).splitlines()[0]})" + ("; export it again" if complete else "")) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise load_refused(weights, e, f"cannot load a model from {weights}") from None
+    except pickle.UnpicklingError:  # torch.load's weights_only refused a pickle that holds more than tensors
+        raise InputError(f"cannot load a model from {weights}: its weights are a pickle that holds more than "
+                         "tensors, which could run code when loaded; save the model as safetensors where it came "
+                         "from (save_pretrained does by default)") from None
+    incomplete = info["missing_keys"] or info["mismatched_keys"]
+    if complete and incomplete:
+        raise InputError(f"{weights}: weights missing or of the wrong shape for its config: "
+                         f"{', '.join(sorted(map(str, incomplete))[:3])}")
+    return model
+
+
+def lora_settings(config) -> Optional[dict]:
+    """apply_lora's keywords from a training config (a TrainConfig, or a checkpoint's dict); None without LoRA."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+    if not get("lora"):
+        return None
+    return dict(r=get("lora_r"), alpha=get("lora_alpha"), dropout=get("lora_dropout"),
+                target_modules=get("lora_target_modules"))
+
+
+def load_weights(model, state_dict: dict, source: str) -> None:
+    """Load a full state dict, refusing missing, extra or misshapen tensors (a random weight would pass silently)."""
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    consume_prefix_in_state_dict_if_present(state_dict, "module.")  # saved while wrapped by DDP
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # shapes that do not fit the config
+        raise InputError(f"the weights in {source} do not fit its config: {' '.join(str(e).split())[:300]}") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(f"the weights in {source} do not fit its config: {len(result.missing_keys)} tensor(s) "
+                         f"missing {result.missing_keys[:3]}, {len(result.unexpected_keys)} unexpected "
+                         f"{result.unexpected_keys[:3]}")
+
+
+def layer_classes(model: PreTrainedModel) -> list[str]:
+    """The classes of the model's repeated layers, which FSDP shards one by one: its `_no_split_modules` less the
+    embedding_holders, or where a family declares none, the classes transformers marks GradientCheckpointingLayer."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    declared = getattr(model, "_no_split_modules", None)
+    if declared:
+        return sorted(set(declared) - embedding_holders(model))
+    return sorted({type(m).__name__ for m in model.modules() if isinstance(m, GradientCheckpointingLayer)})
+
+
+def embedding_holders(model: PreTrainedModel) -> set[str]:
+    """The classes below the model that hold its input embeddings. accelerate shards those embeddings as a
+    group of their own; a wrapped class that holds them (BERT's BertEmbeddings, which BERT declares in
+    `_no_split_modules`) would shard them first, and FSDP2 refuses to shard a sharded parameter again."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except NotImplementedError:  # a custom model that names none: accelerate has none to shard apart
+        return set()
+    return {type(m).__name__ for m in list(model.modules())[1:] if any(sub is embeddings for sub in m.modules())}
+
+
+def parameter_groups(model: PreTrainedModel, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on the weights, none on biases and normalisation layers (the Trainer's rule,
+    its get_decay_parameter_names: LayerNorm by type, bias and any norm by name); only groups that hold a
+    trainable parameter: DeepSpeed's ZeRO optimizers drop an empty one while the scheduler keeps a learning rate
+    for it, and its first step fails (LoRA of a decoder trains no bias or norm)."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAME_PATTERNS))
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in trainable if name in decay], "weight_decay": weight_decay},
+              {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
+    """All parameters, the trainable ones, and those in embedding tables (full sizes under ZeRO-3 too)."""
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partition keeps its full size here
+
+    return {"params": sum(numel(p) for p in model.parameters()),
+            "trainable": sum(numel(p) for p in model.parameters() if p.requires_grad),
+            "embedding": sum(numel(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))}
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    # Non-reentrant: gradients reach LoRA's adapters through a frozen embedding without
+    # `enable_input_require_grads`. transformers 5 renamed the method (the old name warns).
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    try:
+        enable({"use_reentrant": False})
+    except ValueError as e:
+        raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None

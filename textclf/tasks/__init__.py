@@ -1,0 +1,7 @@
+"""What a task is: one class per kind (--task), which owns its labels, its head, its predictions and its scores.
+KINDS registers each kind by what the command line needs before any data is read; a kind's class is imported when a
+run asks for it."""
+
+from .task import KINDS, Kind, Task, format_score, label_table
+
+__all__ = ["KINDS", "Kind", "Task", "format_score", "label_table"]

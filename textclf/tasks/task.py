@@ -1,0 +1,182 @@
+"""What a task is: one class per kind (--task; --text_pair_column makes pairs of any), which owns its labels, its head
+(`problem_type`: the model computes the loss itself, as under the Trainer, and `pipeline` applies softmax, sigmoid or
+none), predictions, scores and their direction, baseline and report (docs/tasks.md adds one). Here what every kind
+shares and the registry of kinds, KINDS, which the command lines read; nothing heavy is imported at the top.
+"""
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from textclf.errors import InputError
+
+# The spellings of a missing number that pandas reads as NaN by default, which this project's readers keep as text
+# (load_table); lower case. `None` and `null` stay names: a class of that name is common.
+NAN_SPELLINGS = {"nan", "-nan", "na", "<na>", "n/a", "#n/a", "#na"}
+
+
+@dataclass(frozen=True)
+class Task:
+    """What every kind shares. A kind (a subclass, registered in KINDS) sets the class attributes below and defines
+    label, label_names, encode_labels, cell, strata, predictions, compute_scores, predicted, shown and baseline
+    (see SingleLabel's); it may change check_labels, targets and figures."""
+
+    text_column: str
+    label_column: str
+    text_pair_column: Optional[str] = None
+    label_separator: str = ","
+    threshold: float = 0.5
+
+    kind: ClassVar[str]  # the --task name
+    problem_type: ClassVar[str]  # transformers' name: picks the model's loss and the pipeline's function
+    scores: ClassVar[list[tuple[str, str, bool]]]  # key (logged as eval_<key>), title, whether higher is better
+    fewest_labels: ClassVar[int] = 1  # the smallest head (for the check, which reads no data)
+    picture: ClassVar[Optional[str]] = None  # the file report draws (report.DRAWINGS)
+
+    def __post_init__(self):
+        if type(self) is Task:  # Task("single_label", ...) would take the kind for the text column
+            raise TypeError("Task is what the kinds share: make one with Task.of(kind, ...) or a kind's class")
+
+    @staticmethod
+    def of(kind: str, *columns, **options) -> "Task":
+        """`Task.of("regression", "review", "stars")`."""
+        return KINDS[kind].load()(*columns, **options)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Task":
+        """The task of a TrainConfig, or of anything with its task fields."""
+        return cls.of(cfg.task, cfg.text_column, cfg.label_column, cfg.text_pair_column, cfg.label_separator,
+                      cfg.threshold)
+
+    @property
+    def text_columns(self) -> dict[str, str]:
+        """The file's text columns by the tokenizer's names for them: tokenized as `tokenizer(text, text_pair)`,
+        a pair's length is what length grouping sees."""
+        return {"text": self.text_column, **({"text_pair": self.text_pair_column} if self.text_pair_column else {})}
+
+    def parse_labels(self, cells: list, path: str, rows: Optional[list[int]] = None) -> list:
+        """The label column's cells as this kind reads them (`label`); `rows`: their row numbers in the file, for
+        the errors."""
+        rows = rows or list(range(1, len(cells) + 1))
+        parsed, not_a_number = [], {}
+        for row, cell in zip(rows, cells):
+            if isinstance(cell, str):
+                cell = cell.replace("\ufeff", "").strip() or None  # `书籍 ` is `书籍`; only an empty cell is missing
+            if isinstance(cell, str) and cell.lower() in NAN_SPELLINGS or isinstance(cell, float) and math.isnan(cell):
+                not_a_number[row] = cell
+                continue
+            parsed.append(self.label(cell, f"{path} row {row}"))
+        if not_a_number:
+            spelled = ", ".join(repr(cell) for cell in dict.fromkeys(not_a_number.values()))
+            raise InputError(f"{path}: {count_rows(list(not_a_number))} a label spelled as a missing number "
+                             f"({spelled}) in column '{self.label_column}', which pandas and datasets read as NaN; "
+                             "fill them in or remove those rows")
+        self.check_labels(parsed, rows, path)
+        return parsed
+
+    def check_labels(self, labels: list, rows: list[int], path: str) -> None:
+        """What the column as a whole must satisfy."""
+        missing = [row for row, label in zip(rows, labels) if label is None]
+        if missing:
+            raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
+                             "fill them in or remove those rows")
+
+    def check_known(self, seen: set, names: list[str], path: str) -> dict[str, int]:
+        """Each label name's id, once every name seen is one the training data has."""
+        unseen = sorted(seen - set(names))
+        if unseen:
+            raise InputError(f"{path} has {count_values(unseen, 'label')} not seen in the training data "
+                             f"(known: {count_values(names, 'label')})")
+        return {name: i for i, name in enumerate(names)}
+
+    def head_config(self, label_names: list[str]) -> dict:
+        """What the model's config takes for this task's head."""
+        return dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+                    label2id={name: i for i, name in enumerate(label_names)}, problem_type=self.problem_type)
+
+    def targets(self, labels):
+        """A batch's `labels` as the scores take them."""
+        return labels
+
+    def greater_is_better(self, metric: str) -> bool:
+        """Whether a higher `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
+        return {key: higher for key, _, higher in self.scores}[metric.removeprefix("eval_")]
+
+    def summary(self, scores: dict, prefix: str = "eval_", separator: str = ", ") -> str:
+        """'accuracy 0.8180, macro-F1 0.8170': the scores by title (n/a: undefined, e.g. a constant prediction)."""
+        return separator.join(f"{title} {format_score(scores[prefix + key])}" for key, title, _ in self.scores)
+
+    def prediction_rows(self, texts: list[str], pairs: Optional[list[str]], logits, names: list[str]) -> list[dict]:
+        """One row per example: its text(s), then what the kind predicts."""
+        rows = [{"text": text} if pairs is None else {"text": text, "text_pair": pair}
+                for text, pair in zip(texts, pairs or texts)]
+        return [{**row, **fields} for row, fields in zip(rows, self.predicted(logits, names))]
+
+    def terminal_line(self, row: dict) -> str:
+        """A prediction row as one line: the prediction, then the text (and its pair)."""
+        return "\t".join([self.shown(row), *(row[column] for column in ("text", "text_pair") if column in row)])
+
+    def figures(self, references: list, predictions: list, names: list[str]) -> dict:
+        """What the report adds to the scores (report.json), beside its `picture`."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind as the command line knows it before any data is read; its class is imported when a run asks for it."""
+
+    about: str  # what --help says of it
+    main_metric: str  # the default metric_for_best_model: one of the class's scores
+    module: str  # where the class is
+    class_name: str
+
+    def load(self) -> type[Task]:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+# The kinds by their --task name (each class's `kind`); the first is the default.
+KINDS = {
+    "single_label": Kind("one label per text (softmax over the labels)", "eval_f1", "textclf.tasks.single_label",
+                         "SingleLabel"),
+    "multi_label": Kind("a set of labels per text (a sigmoid per label, those above --threshold)", "eval_micro_f1",
+                        "textclf.tasks.multi_label", "MultiLabel"),
+    "regression": Kind("a number per text (one output, the raw score)", "eval_mse", "textclf.tasks.regression",
+                       "Regression"),
+}
+
+
+def label_table(references: list, predictions: list, names: list[str]) -> dict:
+    """Precision, recall, F1 and support per label (ids, or 0/1 rows), by name."""
+    from sklearn.metrics import classification_report
+
+    table = classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
+                                  output_dict=True, zero_division=0)
+    return {name: {"precision": table[name]["precision"], "recall": table[name]["recall"],
+                   "f1": table[name]["f1-score"], "support": int(table[name]["support"])} for name in names}
+
+
+def count_rows(rows: list[int], shown: int = 5) -> str:
+    """'rows 3, 8 and 2 more have': the first few row numbers of a list, and how many there are."""
+    listed = ", ".join(map(str, rows[:shown])) + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
+    return f"row {listed} has" if len(rows) == 1 else f"{len(rows)} rows ({listed}) have"
+
+
+def count_values(values: list, noun: str, plural: Optional[str] = None, shown: int = 10) -> str:
+    """"3 classes ('a', 'b', 'c')": how many values, and the first `shown` of them."""
+    listed = ", ".join(map(repr, values[:shown])) + (f" and {len(values) - shown} more" if len(values) > shown else "")
+    return f"{len(values)} {noun if len(values) == 1 else plural or noun + 's'} ({listed})"
+
+
+def is_number(label) -> bool:
+    """Whether a label is a number, or a string that reads as one."""
+    if isinstance(label, str):
+        try:
+            float(label)
+        except ValueError:
+            return False
+    return isinstance(label, (str, int))
+
+
+def format_score(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
