@@ -14,13 +14,12 @@ its index.
 
 import argparse
 import csv
-import dataclasses
 import json
 from typing import Optional
 
 from textclf import files
 from textclf.cli import add_loading_options, add_task_options, require_trained_model
-from textclf.config import TrainConfig, require_data
+from textclf.config import require_data
 from textclf.errors import InputError, die_with_launcher, run_command
 
 OUTPUT_FORMATS = (".csv", ".jsonl")
@@ -54,13 +53,11 @@ if __name__ == "__main__":
     # The command line first: --help and a mistyped flag answer at once, not after the imports below.
     ARGS = run_command(parse_args)
 
-import torch
-from accelerate import Accelerator
 from transformers.utils import logging as transformers_logging
 
 from textclf.data import clean_text, load_table, require_text_column
 from textclf.launch import scoped
-from textclf.models import load_trained, predict_logits, read_training
+from textclf.models import inference_accelerator, label_names, load_trained, predict_logits, run_config
 from textclf.tasks import Task
 
 
@@ -72,26 +69,6 @@ def read_inputs(path: str, task: Task, delimiter: Optional[str] = None, encoding
         require_text_column(table, path, role, column)
     texts = {role: [clean_text(text) for text in table[column]] for role, column in task.text_columns.items()}
     return texts["text"], texts.get("text_pair")
-
-
-def inference_accelerator() -> Accelerator:
-    """One process, or as many as `accelerate launch` starts. Without CUDA, `cpu=True` is what makes
-    a multi-process launch form a gloo group; inference needs no DeepSpeed."""
-    return Accelerator(cpu=not torch.cuda.is_available())
-
-
-def label_names(model) -> list[str]:
-    return [model.config.id2label[i] for i in range(model.config.num_labels)]
-
-
-def run_config(model_path: str, options: dict) -> TrainConfig:
-    """The config of the run that trained `model_path` (defaults where it has none), with `options` given
-    here (those not None) winning: what predict and report take the task and columns from."""
-    known = {field.name for field in dataclasses.fields(TrainConfig)}
-    # The run's best-checkpoint metric is of no use here, and may not be a score of a task given here.
-    saved = {key: value for key, value in read_training(model_path).get("config", {}).items()
-             if key in known and key != "metric_for_best_model"}
-    return TrainConfig(**{**saved, **{key: value for key, value in options.items() if value is not None}})
 
 
 def write_rows(rows: list[dict], path: str) -> None:
