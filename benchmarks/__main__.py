@@ -68,9 +68,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--only", help="comma-separated row names to run (default: all that run here)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the rows this many rounds, alternating, and show each row's median run")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the first job's rows (default: the job's, "
+                                                  "21 with --quick: a warm-up step and 20 measured)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.steps is not None and args.steps < 2:
+        parser.error("--steps must be at least 2: the first step is a warm-up, left out of the speeds")
     stop_on_signals()
     os.environ.update({k: v for k, v in OFFLINE.items() if k not in os.environ})
     out_dir = Path(args.output_dir).resolve()
@@ -78,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     os.chdir(REPO)  # where train.py runs, and where the default data is built
     cuda_devices = torch.cuda.device_count()
     only = set(args.only.split(",")) if args.only else None
-    known = {row["name"] for job in plan_jobs(args.quick) for row in plan_rows(job, cuda_devices)}
+    known = {row["name"] for job in plan_jobs(args.quick, args.steps) for row in plan_rows(job, cuda_devices)}
     if only and only - known:
         parser.error(f"unknown row(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
 
@@ -98,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     sections = []
     with tempfile.TemporaryDirectory(prefix="textclf-bench-") as scratch:
-        for job in plan_jobs(args.quick):
+        for job in plan_jobs(args.quick, args.steps):
             rows = plan_rows(job, cuda_devices)
             if only is not None:
                 rows = [row for row in rows if row["name"] in only]
@@ -108,13 +112,17 @@ def main(argv: Optional[list[str]] = None) -> None:
             shape = prepare_job(job, *files)
             deepspeed_rows = [r for r in rows if r.get("zero_stage") is not None and "skipped" not in r]
             deepspeed_ops = warm_deepspeed_ops() if deepspeed_rows else None
-            rounds = [[row if "skipped" in row else run_measured(row, job, files, shape, runs_dir) for row in rows]
-                      for runs_dir in rounds_dirs(out_dir / "runs", args.repeats)]
-            results = [median_run(list(runs)) for runs in zip(*rounds)]
-            sections.append({"job": job, "shape": shape, "rows": results, "data_name": data,
-                             "deepspeed_ops": deepspeed_ops})
-            # A partial report survives a later failure.
-            write_report(out_dir, machine, matmuls, padding, sections, argv)
+            section = {"job": job, "shape": shape, "rows": [], "data_name": data, "deepspeed_ops": deepspeed_ops}
+            sections.append(section)
+            rounds = []
+            for runs_dir in rounds_dirs(out_dir / "runs", args.repeats):
+                rounds.append([])
+                for row in rows:
+                    rounds[-1].append(row if "skipped" in row else run_measured(row, job, files, shape, runs_dir))
+                    # Written after every row: a benchmark stopped or failed later keeps the rows it finished.
+                    section["rows"] = [median_run([runs[i] for runs in rounds if i < len(runs)])
+                                       for i in range(len(rounds[0]))]
+                    write_report(out_dir, machine, matmuls, padding, sections, argv)
     failed = [r["name"] for s in sections for r in s["rows"] if r.get("status") == "failed"]
     print(f"[bench] wrote {out_dir}/bench.md, bench.json, bench.png" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

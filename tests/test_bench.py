@@ -17,7 +17,7 @@ NUMBERS = ("startup_s", "steps_per_s", "samples_per_s", "real_tokens_per_s", "re
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_table_json_and_chart(tmp_path, reviews_csv):
-    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--data", str(reviews_csv),
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--steps", "3", "--data", str(reviews_csv),
                              "--output_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                             timeout=1800, env={**os.environ, **OFFLINE})
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -63,7 +63,7 @@ def test_repeated_rows_report_their_median_run():
 
 @pytest.mark.slow
 def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
-    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--repeats", "2",
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--steps", "3", "--repeats", "2",
                              "--only", "single,plain_pytorch",  # the cheaper of --quick's two jobs
                              "--data", str(reviews_csv), "--output_dir", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE})

@@ -22,6 +22,15 @@ def test_command_line_overrides_recipe_which_overrides_defaults(tmp_path):
     assert cfg.per_device_train_batch_size == 32  # the default
 
 
+def test_a_key_given_twice_in_a_recipe_is_refused_not_the_last_taken(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 0.002\nmax_steps: 50\nlearning_rate: 0.5\n")
+    with pytest.raises(InputError) as refused:
+        parse_config(["--config", str(recipe)])
+    assert str(refused.value) == (f"cannot read config recipe {recipe}: learning_rate is given twice (first on line 1) "
+                                  "(line 3, column 1); a recipe is plain YAML of key: value")
+
+
 def test_booleans_parse_both_ways():
     assert parse_config(["--no_group_by_length"]).group_by_length is False
     assert parse_config(["--lora", "true"]).lora is True

@@ -594,9 +594,10 @@ def test_a_stopped_inference_launch_leaves_no_process_behind(tmp_path, tiny_mode
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "timeout"])
 def test_a_benchmark_stopped_mid_row_leaves_no_process_behind(tmp_path, reviews_csv, how):
     """The benchmark runs each row in a session of its own (so that a terminal's Ctrl-C reaches the
-    benchmark alone); stopped while a row's two ranks train, it stops them, and the rows after it never start."""
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", "cpu,single_small", "--data", str(reviews_csv),
-               "--output_dir", str(tmp_path)]
+    benchmark alone); stopped while a row's two ranks train, it stops them, the rows after it never start, and the
+    row that finished before is in bench.json and bench.md."""
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--steps", "3", "--only", "single,cpu,single_small",
+               "--data", str(reviews_csv), "--output_dir", str(tmp_path)]
     process = launch(["timeout", "900", *command] if how == "timeout" else command)
     wait_until(lambda: len(ranks_of(process, "train.py")) == 2, "the cpu row's ranks have started")
     started = descendants(process)
@@ -605,6 +606,9 @@ def test_a_benchmark_stopped_mid_row_leaves_no_process_behind(tmp_path, reviews_
     assert process.returncode != 0, output[-3000:]
     wait_until(lambda: all_gone(started), "every process of the benchmark has ended", timeout=120)
     assert not (tmp_path / "runs" / "single_small").exists(), output[-3000:]
+    finished = json.loads((tmp_path / "bench.json").read_text(encoding="utf-8"))
+    assert [(row["name"], row["status"]) for row in finished] == [("single", "ok")], output[-3000:]
+    assert "| single |" in (tmp_path / "bench.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.slow

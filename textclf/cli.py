@@ -117,11 +117,25 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
     return cfg
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice is refused: PyYAML would keep the last without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"{key} is given twice (first on line {first_line[key]})", problem_mark=key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def recipe_args(path: str) -> list[str]:
     """A YAML recipe as command-line arguments, so that it is type-checked like the command line."""
     try:
         with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f) or {}
+            recipe = yaml.load(f, Loader=RecipeLoader) or {}
     except OSError as e:
         raise InputError(f"cannot read config recipe {path}: {e.strerror}") from None
     except yaml.YAMLError as e:  # a syntax error, or a tag such as !!python/object, which safe_load refuses
