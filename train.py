@@ -53,7 +53,15 @@ from textclf.launch import (
     launch_environment,
     scoped,
 )
-from textclf.models import build_job, export_model, padding_multiple, parameter_counts, parameter_groups, speed_up
+from textclf.models import (
+    build_job,
+    export_model,
+    in_units,
+    padding_multiple,
+    parameter_counts,
+    parameter_groups,
+    speed_up,
+)
 from textclf.tasks import Task
 
 
@@ -121,9 +129,9 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
-    job = build_job(cfg, accelerator.local_main_process_first)
+    job = build_job(cfg, accelerator.local_main_process_first, start)  # a resume keeps the tokenizer it trained with
     accelerator.print(f"data: {len(job.train_set)} train / {len(job.eval_set)} eval examples, labels "
-                      f"{job.label_names}; model: {cfg.model}, {parameter_counts(job.model)['params'] / 1e6:.1f}M "
+                      f"{job.label_names}; model: {cfg.model}, {in_units(parameter_counts(job.model)['params'])} "
                       "parameters")
     train_loader, eval_loader = make_loaders(
         job.train_set, job.eval_set, job.tokenizer, train_batch_size=cfg.per_device_train_batch_size,
@@ -188,8 +196,11 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
                                  task.greater_is_better(cfg.metric_for_best_model))
         return checkpointing.checkpoint_folder(cfg.output_dir, step)
 
+    # A diverged run's line names the labels' scale where it is the likely cause (a regression's huge labels).
+    watch = loop.DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm),
+                                 output_dir=cfg.output_dir, labels_scale=task.labels_scale(job.train_set["labels"]))
     outcome = fit(cfg, accelerator, Prepared(model, optimizer, scheduler, train_loader, eval_loader), task, schedule,
-                  position, save)
+                  position, save, watch)
     if outcome.stopped:  # by a signal, after its checkpoint
         return
     step, metrics, best = outcome.step, outcome.metrics, outcome.best
@@ -210,7 +221,7 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
 
 
 def fit(cfg: TrainConfig, accelerator: Accelerator, prepared: Prepared, task: Task, schedule: loop.Schedule,
-        position: dict, save) -> Outcome:
+        position: dict, save, watch: loop.DivergenceWatch) -> Outcome:
     """The loop: one iteration per micro-batch; the work of an optimizer step happens where gradients sync."""
     model, optimizer, scheduler, train_loader, eval_loader = prepared
     step, best, total_steps = position["step"], position.get("best"), schedule.total_steps
@@ -223,8 +234,6 @@ def fit(cfg: TrainConfig, accelerator: Accelerator, prepared: Prepared, task: Ta
     window = loop.Window(position["loss_window"][accelerator.process_index] if "loss_window" in position else None)
     stop_requested = loop.request_stop_on_signals(accelerator, cfg.logging_steps)
     metrics = {}
-    watch = loop.DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm),
-                                 output_dir=cfg.output_dir)
     # DeepSpeed clips by itself (gradient_clipping, from max_grad_norm); under it accelerate's clip_grad_norm_
     # would only read the norm back, which waits for the device at every step.
     clip = cfg.max_grad_norm and accelerator.distributed_type != DistributedType.DEEPSPEED

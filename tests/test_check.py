@@ -182,7 +182,7 @@ def learnt_job(reviews_csv, tmp_path_factory):
 
 
 def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary(capsys, learnt_job):
-    from textclf.models import parameter_counts
+    from textclf.models import in_units, parameter_counts
 
     args, job = learnt_job
     expected = parameter_counts(job.model)
@@ -190,7 +190,7 @@ def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary
     status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", *args, "--lora")
     assert status == 0
     shown = report(out)["model"]
-    assert f"{expected['params'] / 1e6:.2f}M parameters, {expected['trainable'] / 1e6:.2f}M trainable" in shown
+    assert f"{in_units(expected['params'])} parameters, {in_units(expected['trainable'])} trainable" in shown
     assert f"({expected['trainable'] / expected['params']:.2%}, LoRA)" in shown
     assert f"the vocabulary of {len(job.tokenizer):,} tokens learnt from this data (cached)" in shown
     assert len(job.tokenizer) < 8000
@@ -325,15 +325,28 @@ def test_torch_compile_in_a_yaml_passes_the_check(capsys, tmp_path):
     assert status == 0, err
 
 
-def test_fp16_and_fsdp_from_the_gpu_zoo_are_refused_for_a_machine_without_cuda(capsys):
+@pytest.mark.parametrize("name", sorted(NEEDS_CUDA))
+def test_each_gpu_file_of_the_zoo_is_one_conflict_for_a_machine_without_cuda(capsys, name):
+    """What train.py refuses (tests/test_launch_trust.py), by the same rule: the GPUs the yaml names, with whatever
+    else of it needs CUDA, in one line that sends the launch to the CPU files."""
     from textclf.launch import cuda_only
 
-    for name, rule in (("ddp_fp16.yaml", cuda_only(None, "fp16")), ("fsdp.yaml", cuda_only("FSDP", "no"))):
-        status, _, err = run_check(capsys, "--config_file", f"accelerate_configs/{name}", "--target", "cpu")
+    yaml_config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
+    [(need, fix)] = cuda_only("FSDP" if yaml_config["distributed_type"] == "FSDP" else None,
+                              yaml_config["mixed_precision"], str(yaml_config["gpu_ids"]))
+    import torch
+
+    for target in (["--target", "cpu"], *([] if torch.cuda.is_available() else [[]])):  # and this machine's own
+        status, _, err = run_check(capsys, "--config_file", f"accelerate_configs/{name}", *target)
         assert status == 1
-        [line] = conflicts(err)
-        [(need, fix)] = rule  # the rule train.py refuses by (test_users.py), in the check's words
-        assert name in line and "no CUDA GPU" in line and need in line and fix in line
+        assert conflicts(err) == [f"conflict: accelerate_configs/{name}: {need}, and "
+                                  f"{'the target machine (--target cpu)' if target else 'this machine'} has no CUDA "
+                                  f"GPU: train.py refuses it there; {fix}, or --target cuda for a GPU machine"]
+        assert "accelerate_configs/cpu.yaml" in fix and f"gpu_ids {yaml_config['gpu_ids']}" in need
+    if name == "fsdp.yaml":
+        assert cuda_only("FSDP", "no")[0][0] in need
+    if name == "ddp_fp16.yaml":
+        assert cuda_only(None, "fp16")[0][0] in need
 
 
 def test_a_missing_data_file_is_an_error_and_num_processes_0_a_conflict(capsys, tmp_path):
@@ -466,6 +479,21 @@ def test_the_command_line_entry_point(tmp_path):
     assert bad.returncode == 1 and "conflict: precision (" in bad.stderr
 
 
+@pytest.mark.slow
+def test_without_any_accelerate_config_the_check_says_one_process_as_the_launch_runs(tmp_path, reviews_csv):
+    """No --config_file and no default config: accelerate asks for as many processes as CUDA GPUs, 0 here, and its
+    simple launcher starts one; the check says so, and no conflict."""
+    env = {key: value for key, value in os.environ.items() if key != "XDG_CACHE_HOME"}
+    env.update(HOME=str(tmp_path), HF_HOME=str(tmp_path / "hf"))  # where no `accelerate config` has written one
+    result = subprocess.run([sys.executable, "-m", "textclf.check", "--data", str(reviews_csv), "--model",
+                             "scratch-tiny", "--target", "cpu", *NO_CACHE],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and "conflict" not in result.stderr, result.stderr
+    shown = report(result.stdout)
+    assert shown["accelerate config"] == "none: one process, as `python train.py`"
+    assert shown["processes"] == "1 process on 1 machine"
+
+
 # --- the check against what `accelerate launch` really runs ---
 
 @pytest.fixture(scope="module")
@@ -548,19 +576,21 @@ def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
     assert checkpointed < plain and "checkpointed" in parts and "DDP gradient buckets" in parts
 
 
-def made_checkpoint(folder, world_size=1, zero_stage=None, **made_with):
-    """A step_6/ folder in `folder` with the position.json of a run of scratch-tiny on `world_size` processes."""
+def made_checkpoint(folder, world_size=1, zero_stage=None, step_number=6, **made_with):
+    """A step_<step_number>/ folder in `folder` with the (sealed) position.json of a run of scratch-tiny on
+    `world_size` processes."""
     import dataclasses
 
+    from textclf.checkpointing.verify import sealed
     from textclf.config import TrainConfig
 
     made_with = {"model": "scratch-tiny", **made_with}
-    step = folder / "step_6"
+    step = folder / f"step_{step_number}"
     step.mkdir(parents=True)
     global_batch = made_with["per_device_train_batch_size"] * made_with["gradient_accumulation_steps"] * world_size
-    step.joinpath("position.json").write_text(json.dumps({
-        "step": 6, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": zero_stage,
-        "mixed_precision": "no", **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}}))
+    step.joinpath("position.json").write_text(json.dumps(sealed({
+        "step": step_number, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": zero_stage,
+        "mixed_precision": "no", **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}})))
     return step
 
 
@@ -572,7 +602,8 @@ def test_a_resume_shows_the_accumulation_that_keeps_the_checkpoint_s_global_batc
     assert report(out)["batch"] == "micro 8 x accumulation 2 x 2 processes = global 32"
     assert report(out)["resume"] == f"{step}: made by 1 process with micro-batch 8 and gradient accumulation 4, " \
                                     "on 2 processes: micro-batch 8 and gradient accumulation 2 keep its global " \
-                                    "batch of 32"
+                                    "batch of 32; the order gradients are summed in differs, so from here it " \
+                                    "matches the uninterrupted run to rounding, not bit for bit"
     # Beyond what the accumulation can give, the micro-batch is split.
     status, out, err = run_check(capsys, *cpu, "--num_processes", 8)
     assert status == 0, err
@@ -611,7 +642,36 @@ def test_a_resume_by_path_is_checked_in_the_checkpoint_s_folder_as_train_py_resu
             # From 1 process to 2 with the default accumulation: the micro-batch halves.
             assert report(out)["batch"] == "micro 16 x accumulation 1 x 2 processes = global 32"
             assert report(out)["resume"].endswith("on 2 processes: micro-batch 16 and gradient accumulation 1 keep "
-                                                  "its global batch of 32")
+                                                  "its global batch of 32; its dropout masks (micro-batches split) "
+                                                  "and the order gradients are summed in differ, so from here it "
+                                                  "matches the uninterrupted run closely, not bit for bit")
         else:
             assert status == 2 and f"error: {held} is in use by another run (pid 1 on another host)" in err
         (held / ".lock").unlink()
+
+
+def test_a_resume_s_refusals_are_all_conflicts_of_one_check(capsys, tmp_path):
+    """What train.py would refuse one launch at a time: checkpoints after the one resumed, DeepSpeed's pickles
+    without --allow_pickle, a launch of another strategy; all named by one check, in train.py's words."""
+    run = tmp_path / "run"
+    step_10 = made_checkpoint(run, world_size=2, zero_stage=2, step_number=10, per_device_train_batch_size=8,
+                              gradient_accumulation_steps=1)
+    made_checkpoint(run, world_size=2, zero_stage=2, step_number=12, per_device_train_batch_size=8,
+                    gradient_accumulation_steps=1)
+    later = (f"--resume {step_10}: {run} holds checkpoints after it (step_12), which this run would write over; "
+             "pass --overwrite_output_dir to move them aside, or --output_dir <another folder> to keep both runs")
+    pickles = (f"{step_10} was written by DeepSpeed, whose files load only with full pickle, which can run code "
+               "stored in them; pass --allow_pickle if you trust this checkpoint")
+    zero2 = ["--config_file", "accelerate_configs/zero2.yaml", "--target", "cpu", "--resume", step_10]
+    status, _, err = run_check(capsys, *zero2)
+    assert status == 1 and conflicts(err) == [f"conflict: {later}", f"conflict: {pickles}"], err
+    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu", "--resume",
+                               step_10)
+    first, launch, last = conflicts(err)
+    assert status == 1 and (first, last) == (f"conflict: {later}", f"conflict: {pickles}")
+    assert launch.startswith(f"conflict: cannot resume from {step_10}: it was made by a launch with DeepSpeed ZeRO "
+                             "stage 2 (this launch: None)")
+    status, out, err = run_check(capsys, *zero2, "--overwrite_output_dir", "--allow_pickle")
+    assert status == 0, err
+    assert report(out)["resume"] == f"{step_10}: the launch that made it, micro-batch 8 and gradient accumulation 1"
+

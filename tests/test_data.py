@@ -146,11 +146,13 @@ def test_where_decoding_fails_is_found_across_chunks(tmp_path, rows, encoding):
         assert undecodable(write(tmp_path / "good.jsonl", good), encoding, chunk_size) is None
 
 
-@pytest.mark.parametrize("damage", ["truncated tokenizer.json", "truncated vocab.txt", "missing vocab.txt"])
+@pytest.mark.parametrize("damage", ["truncated tokenizer.json", "truncated vocab.txt", "missing vocab.txt",
+                                    "missing learnt_files.json", "planted added_tokens.json"])
 def test_a_damaged_tokenizer_cache_is_one_line_and_learnt_again_once_deleted(tmp_path, damage):
     """A learnt tokenizer is cached with the sha256 of its files: a damaged one is refused, naming the folder, not
     loaded as another vocabulary (a truncated vocab.txt loads without a word) or failed on in the tokenizers
-    library."""
+    library. The record is required (without it, ids swapped would load without a word), and a file it does not
+    name, which loading would read all the same, is refused too."""
     import shutil
 
     from textclf.errors import InputError
@@ -162,6 +164,8 @@ def test_a_damaged_tokenizer_cache_is_one_line_and_learnt_again_once_deleted(tmp
     name = damage.split()[-1]
     if damage.startswith("missing"):
         (folder / name).unlink()
+    elif damage.startswith("planted"):
+        (folder / name).write_text('{"[NEW]": 0}', encoding="utf-8")
     else:
         (folder / name).write_bytes((folder / name).read_bytes()[:100])
     with pytest.raises(InputError) as refused:

@@ -345,7 +345,7 @@ BAD_RESUMES = {
                    "made with training data = 0000000000000000"),
     "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
                              "made with gradient_accumulation_steps = 1, this run has 2"),
-    "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
+    "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), ["--allow_pickle"],
                          "made by a launch with DeepSpeed ZeRO stage 2 (this launch: None); resume it with "
                          "accelerate launch --config_file accelerate_configs/zero2.yaml"),
     # as a launch under ddp_bf16.yaml would set it, where the config's own field stays unset

@@ -389,11 +389,15 @@ def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names
     # The micro-batch a resume made smaller grows back to the one asked for (the checkpoint's config).
     assert split(1, {**made, "world_size": 12, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
                      "config": {"per_device_train_batch_size": 8}}) == (8, 6)
+    # Said with it: the run is no longer the uninterrupted one bit for bit (the README's claim says so too).
     assert check_against("ck", made, {**RUN, "world_size": 3}) == (
         "resuming ck, made by 2 processes with micro-batch 8 and gradient accumulation 3, on 3 processes: "
-        "micro-batch 8 and gradient accumulation 2 keep its global batch of 48")
+        "micro-batch 8 and gradient accumulation 2 keep its global batch of 48; the order gradients are summed in "
+        "differs, so from here it matches the uninterrupted run to rounding, not bit for bit")
     assert check_against("ck", made, {**RUN, "world_size": 12}).endswith(
-        "on 12 processes: micro-batch 4 and gradient accumulation 1 keep its global batch of 48")
+        "on 12 processes: micro-batch 4 and gradient accumulation 1 keep its global batch of 48; its dropout masks "
+        "(micro-batches split) and the order gradients are summed in differ, so from here it matches the "
+        "uninterrupted run closely, not bit for bit")
     with pytest.raises(InputError) as refused:
         split(5)
     assert str(refused.value) == (
@@ -556,8 +560,9 @@ def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_pa
     position = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "world_size": 1, "zero_stage": 3, "mixed_precision": "no",
                 "global_batch_size": 32, "per_device_train_batch_size": 32, "gradient_accumulation_steps": 1}
     (checkpoint / "position.json").write_text(json.dumps(sealed(position)))
-    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint)], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    # --allow_pickle: a ZeRO checkpoint's pickles would be a second refusal of the same launch
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint),
+                             "--allow_pickle"], cwd=REPO, capture_output=True, text=True, timeout=120)
     said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(said) == 1, result.stderr[-2000:]
     assert said[0].startswith(f"error: cannot resume from {checkpoint}: it was made by a launch with DeepSpeed ZeRO "

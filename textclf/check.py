@@ -15,7 +15,6 @@ conflict, each naming both places; 2 with one `error:` line for input it cannot 
 """
 
 import argparse
-import dataclasses
 import glob
 import json
 import logging
@@ -54,12 +53,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     if args.config_file is not None and not os.path.isfile(args.config_file):
         raise InputError(f"accelerate config not found: {args.config_file}; check the path, or leave out "
                          "--config_file for accelerate's default config")
-    cfg = parse_config(training_args)
-    if cfg.resume:  # the checkpoint's config under the command line's, as train.py resumes it
-        from textclf.checkpointing import resolve
-
-        cfg = resolve(cfg, training_args)[2]
-    return args, cfg
+    args.training_args = training_args  # a resume parses them again, over its checkpoint's config (planned_resume)
+    return args, parse_config(training_args)
 
 
 if __name__ == "__main__":
@@ -68,7 +63,7 @@ if __name__ == "__main__":
 
 import torch
 
-from textclf.checkpointing import batch_split, check_against, find_checkpoint, needs_universal, read_verified_position
+from textclf.checkpointing import check_against, plan_start, read_verified_position
 from textclf.data import sample_key
 from textclf.launch import (
     BYTES_PER_PARAM,
@@ -82,6 +77,7 @@ from textclf.launch import (
     fewer_processes,
     float16_weights_conflict,
     framework_buffer_bytes,
+    gpus_named,
     model_state_bytes,
     scoped,
     zero_offload,
@@ -89,6 +85,7 @@ from textclf.launch import (
 from textclf.models import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
+    in_units,
     layer_classes,
     load_data,
     lora_settings,
@@ -115,6 +112,7 @@ def read_launch(args: argparse.Namespace) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    yaml_config = None
     if path is not None:  # one that --config_file names exists (parse_args)
         try:
             yaml_config = load_config_from_file(path)
@@ -129,6 +127,9 @@ def read_launch(args: argparse.Namespace) -> dict:
     line = [f"--{name}={value}" for name in ("config_file", "num_processes", "num_machines", "mixed_precision")
             if (value := getattr(args, name)) is not None] + (["--multi_gpu"] if args.multi_gpu else [])
     launch_args = launch_command_parser().parse_args([*line, "train.py"])
+    gpu_ids = gpus_named(launch_args, yaml_config)  # read from the line as given, which the merge below completes
+    asked_processes = launch_args.num_processes if launch_args.num_processes is not None else \
+        getattr(yaml_config, "num_processes", None)
     with quiet_accelerate():
         try:  # accelerate's private merge of yaml and line, the one its launcher reads; test_check fails if it changes
             launch_args, _, precision_from_yaml = _validate_launch_command(launch_args)
@@ -151,7 +152,9 @@ def read_launch(args: argparse.Namespace) -> dict:
         source = "the default (no mixed_precision anywhere)"
     return {"path": path, "distributed_type": distributed_type, "yaml_distributed_type": yaml_distributed_type(path),
             "launcher": launcher, "num_processes": processes, "num_machines": launch_args.num_machines or 1,
-            "requested_processes": 1 if launch_args.num_processes is None else launch_args.num_processes,
+            # Without a number on the line or in a yaml, accelerate takes the number of CUDA GPUs, 0 on a CPU, and
+            # its simple launcher still starts one: what was asked for is what starts.
+            "requested_processes": processes if asked_processes is None else asked_processes, "gpu_ids": gpu_ids,
             "mixed_precision": env["ACCELERATE_MIXED_PRECISION"], "precision_source": source,
             "precision_from_yaml": precision_from_yaml and not args.mixed_precision, "environment": env,
             "deepspeed_config_file": getattr(launch_args, "deepspeed_config_file", None),
@@ -296,14 +299,14 @@ def has_cuda(target: str) -> bool:
 
 def check_machine(launch: dict, precision: str, source: str, target: str, torch_dtype: str,
                   conflicts: list[str], warnings: list[str]) -> None:
-    """What the precision and the target machine cannot run: float16 weights under fp16's loss scaler, fp16 and
-    FSDP without CUDA, bf16 without native bf16."""
+    """What the precision and the target machine cannot run: float16 weights under fp16's loss scaler, a GPU file
+    (one naming gpu_ids), fp16 and FSDP without CUDA, bf16 without native bf16."""
     if conflict := float16_weights_conflict(precision, launch["distributed_type"], torch_dtype):
         conflicts.append(conflict)
     if has_cuda(target):
         return
     machine = "this machine" if target == "here" else "the target machine (--target cpu)"
-    for need, fix in cuda_only(launch["distributed_type"], precision):  # train.py refuses the same
+    for need, fix in cuda_only(launch["distributed_type"], precision, launch["gpu_ids"]):  # train.py refuses the same
         where = f"precision ({source})" if need.startswith("mixed_precision") else launch["path"]
         conflicts.append(f"{where}: {need}, and {machine} has no CUDA GPU: train.py refuses it there; {fix}, or "
                          "--target cuda for a GPU machine")
@@ -406,30 +409,38 @@ def human(n_bytes: float) -> str:
         n_bytes /= 1024
 
 
-def resume_checkpoint(cfg: TrainConfig) -> Optional[tuple[str, dict]]:
-    """(path, position) of the checkpoint that --resume names, or None without one (--resume auto in an empty
-    folder)."""
-    if not cfg.resume:
-        return None
-    path = find_checkpoint(cfg)  # as train.py finds it
-    return (path, read_verified_position(path)) if path else None
+def planned_resume(cfg: TrainConfig, training_args: list[str], launch: dict,
+                   conflicts: list[str]) -> tuple[TrainConfig, Optional[str]]:
+    """The config a resume trains with on this launch (the checkpoint's under the command line's, split to keep its
+    global batch) and the report's line for it (None without a checkpoint, or with a conflict). Planned by
+    train.py's own plan_start in the environment this launch gives its ranks: each refusal train.py would raise
+    before torch loads is a conflict, all of them in one check."""
+    from accelerate.utils import patch_environment
+
+    refusals = []
+    with patch_environment(**launch["environment"], WORLD_SIZE=launch["num_processes"]):
+        cfg, start = plan_start(cfg, training_args, refusals)
+    conflicts += refusals
+    if start.checkpoint is None or refusals:
+        return cfg, None
+    path = start.checkpoint
+    rescaled = check_against(path, read_verified_position(path), {"world_size": launch["num_processes"]})
+    return cfg, f"{path}: " + (rescaled.removeprefix(f"resuming {path}, ") if rescaled else
+                               f"the launch that made it, micro-batch {cfg.per_device_train_batch_size} and gradient "
+                               f"accumulation {cfg.gradient_accumulation_steps}")
 
 
 def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """(report lines, warnings, conflicts) for one launch."""
-    require_data(cfg.data, cfg.eval_data)  # as train.py: a data file that is not there is an error, not a warning
     launch = read_launch(args)
     conflicts, warnings = [], []
     kind, world, machines = launch["distributed_type"], launch["num_processes"], launch["num_machines"]
     check_topology(launch, conflicts)
+    resume_line = None
+    if cfg.resume:
+        cfg, resume_line = planned_resume(cfg, args.training_args, launch, conflicts)
+    require_data(cfg.data, cfg.eval_data)  # as train.py: a data file that is not there is an error, not a warning
     precision, source = launch["mixed_precision"], launch["precision_source"]
-    resumed = resume_checkpoint(cfg)
-    if resumed:  # the micro-batch and accumulation that keep its global batch on this launch's processes
-        try:
-            cfg = dataclasses.replace(cfg, **batch_split(*resumed, world))
-        except InputError as e:
-            conflicts.append(str(e))
-            resumed = None
 
     stage, offload, ds_place, zero = 0, {}, None, {}
     if kind == "DEEPSPEED":
@@ -450,20 +461,6 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         if launch["fsdp_offload_params"]:
             offload = {"weights": "cpu", "gradients": "cpu", "optimizer states": "cpu"}
     check_machine(launch, precision, source, args.target, cfg.torch_dtype, conflicts, warnings)
-    resume_line = None
-    if resumed:
-        try:
-            resume_line = check_against(*resumed, {"world_size": world, "distributed_type": kind,
-                                                   "zero_stage": stage if kind == "DEEPSPEED" else None,
-                                                   "mixed_precision": precision})
-            needs_universal(*resumed, world, cfg.load_best_model_at_end)  # refuses what train.py would
-        except InputError as e:
-            conflicts.append(str(e))
-        else:
-            resume_line = f"{resumed[0]}: " + (resume_line.removeprefix(f"resuming {resumed[0]}, ") if resume_line
-                                              else f"the launch that made it, micro-batch "
-                                                   f"{cfg.per_device_train_batch_size} and gradient accumulation "
-                                                   f"{cfg.gradient_accumulation_steps}")
     model, vocabulary = planned_model(cfg)
     fsdp_wrap = check_fsdp_wrap(launch, model, cfg.model, conflicts, warnings) if kind == "FSDP" else None
 
@@ -501,7 +498,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
         ("batch", f"micro {micro} x accumulation {accumulation} x {plural(world, 'process')} "
                   f"= global {micro * accumulation * world}"),
         *([("resume", resume_line)] if resume_line else []),
-        ("model", f"{cfg.model}: {params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable"
+        ("model", f"{cfg.model}: {in_units(params)} parameters, {in_units(trainable)} trainable"
                   + (f" ({trainable / params:.2%}, LoRA)" if cfg.lora else "")
                   + (f"; {vocabulary}" if vocabulary else "")),
         *([("fsdp wraps", fsdp_wrap)] if fsdp_wrap else []),

@@ -80,6 +80,77 @@ def new_folder(path: str) -> None:
     os.mkdir(path)
 
 
+def real_folders(top: str, below: str) -> str:
+    """`top`/`below` as folders for another library's code to write into, which follows whatever it finds: each
+    folder below `top` on the way is made if absent, and a link in place of one is removed as a link, never walked
+    into. Returns the path."""
+    os.makedirs(top, exist_ok=True)  # the output folder: where the user put it (a link there is the user's choice)
+    path = top
+    for name in os.path.normpath(below).split(os.sep):
+        path = os.path.join(path, name)
+        if os.path.islink(path):
+            remove(path)
+        if not os.path.lexists(path):
+            os.mkdir(path)
+    return path
+
+
+def make_folders(path: str) -> list[str]:
+    """`path` and its missing parents made (as os.makedirs, which says why it cannot); the folders this call made
+    itself, innermost first: a failed command removes those that are still empty (remove_empty)."""
+    missing, folder = [], os.path.abspath(path)
+    while not os.path.lexists(folder) and folder != os.path.dirname(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    made = []
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process: not this call's
+            os.mkdir(folder)
+            made.insert(0, folder)
+    os.makedirs(path, exist_ok=True)  # a file in the way is refused here, as os.makedirs refuses it
+    return made
+
+
+def remove_empty(folders: list[str]) -> None:
+    """Remove `folders` (innermost first), each only while it is empty: rmdir itself refuses one that is not, and
+    the folders around it are then kept too."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
+def give_usual_modes(folder: str) -> None:
+    """Every file under `folder` gets the mode a file created here gets, 0666 less the umask (0644 under the usual
+    022): some writers create theirs through a private temporary file, 0600 (safetensors' model.safetensors), and
+    a folder's files should read alike. Links are left alone (never followed)."""
+    mode = 0o666 & ~umask()
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(parent, name), os.O_RDONLY | NO_LINK)
+            except OSError:  # a link (ELOOP): not this folder's file to change
+                continue
+            try:
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+
+
+def umask() -> int:
+    """This process's umask, read where Linux shows it, without setting it (os.umask sets it to read it: another
+    thread creating a file meanwhile would get the wrong mode)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
     """Write through a temporary file and a rename, so readers never see half a file (and never through a
     symbolic link: textclf/py)."""

@@ -217,15 +217,19 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
             print(classification_report(references, predictions, labels=list(range(len(names))), target_names=names,
                                         digits=4, zero_division=0))
         try:
-            os.makedirs(args.output_dir, exist_ok=True)
+            made = files.make_folders(args.output_dir)
         except OSError as e:
             raise write_failed("create", args.output_dir, e, "choose another --output_dir, or make its parent "
                                "writable") from None
-        write_json(os.path.join(args.output_dir, REPORT), report)
-        picture = task.picture
-        if picture:
-            title = f"{task.summary(report, prefix='')}, {report['samples']} examples"
-            DRAWINGS[picture](report, references, predictions, title, os.path.join(args.output_dir, picture))
+        try:
+            write_json(os.path.join(args.output_dir, REPORT), report)
+            picture = task.picture
+            if picture:
+                title = f"{task.summary(report, prefix='')}, {report['samples']} examples"
+                DRAWINGS[picture](report, references, predictions, title, os.path.join(args.output_dir, picture))
+        except BaseException:
+            files.remove_empty(made)  # a failed report leaves no empty folder of its own making behind
+            raise
         print(f"wrote {REPORT}{f' and {picture}' if picture else ''} to {args.output_dir}")
     accelerator.end_training()
 

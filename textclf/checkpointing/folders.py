@@ -75,10 +75,19 @@ def named_checkpoint(resume: str, output_dir: str, overwrite: bool, existing: li
         return existing[-1][1]
     later = later_checkpoints(output_dir, resume)
     if later and not overwrite:
-        raise InputError(f"--resume {resume}: {output_dir} holds checkpoints after it ({', '.join(later)}), which "
-                         "this run would write over; pass --overwrite_output_dir to move them aside, or "
-                         "--output_dir <another folder> to keep both runs")
+        raise LaterCheckpoints(f"--resume {resume}: {output_dir} holds checkpoints after it ({', '.join(later)}), "
+                               "which this run would write over; pass --overwrite_output_dir to move them aside, or "
+                               "--output_dir <another folder> to keep both runs", resume)
     return resume
+
+
+class LaterCheckpoints(InputError):
+    """named_checkpoint's refusal of a checkpoint that later ones follow, which still names the checkpoint: the plan
+    of its resume goes on (resume.plan_start), to name its other refusals in the same launch."""
+
+    def __init__(self, message: str, checkpoint: str):
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 def warn_of_lost_positions(output_dir: str, latest: str) -> None:

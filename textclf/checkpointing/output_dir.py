@@ -1,6 +1,7 @@
 """The output folder a run owns, one run at a time: the checkpoint a run in it continues (find_checkpoint), the lock
 its main process holds for the run's life (flock, released by the kernel however the process ends), what
---overwrite_output_dir moves aside, and what a killed run left, removed when the next run claims the folder.
+--overwrite_output_dir moves aside (never what the run reads), and what a killed run left, removed when the next run
+claims the folder.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from textclf.config import TrainConfig
 from textclf.errors import InputError, checked_on_main_process, write_failed
 
 from .folders import LEFTOVERS, LOCK, choose_checkpoint, later_checkpoints, warn_of_lost_positions
+from .verify import read_position
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -64,35 +66,52 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
     ended meanwhile may have written one), --overwrite_output_dir moves the previous run aside (with --resume
     of one of its checkpoints, the checkpoints after it), and what a killed run left is removed.
     """
-    inside = bool(resume_from) and os.path.abspath(resume_from).startswith(
-        os.path.join(os.path.abspath(output_dir), ""))
+    resume = resolved_checkpoint(resume)  # as find_checkpoint resolved it
+    inside = bool(resume_from) and holds(output_dir, resume_from)
 
     def claim():
         if overwrite and inside and resume in ("latest", "auto"):
             raise InputError(f"--overwrite_output_dir moves the run in {output_dir} aside, --resume {resume} "
                              "continues it: drop one of them")
         try:
-            os.makedirs(output_dir, exist_ok=True)
+            made = files.make_folders(output_dir)
         except OSError as e:
             raise write_failed("create", output_dir, e,
                                "choose another --output_dir, or make its parent writable") from None
-        lock_file = take_lock(output_dir)
-        if choose_checkpoint(resume, output_dir, overwrite) != resume_from:
-            raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "
-                             "start again to choose among them")
-        if overwrite and inside:  # --resume <a checkpoint of it>: only the checkpoints after it go aside
-
-            move_aside(output_dir, later_checkpoints(output_dir, resume_from))
-        elif overwrite and set(os.listdir(output_dir)) - {LOCK}:
-            move_run_aside(output_dir)  # the lock moves with it, still held, until the new one is taken
-            take_lock(output_dir)
-            _held_locks.remove(lock_file)
-            lock_file.close()
-        if any(name.startswith(LEFTOVERS) for name in os.listdir(output_dir)):
-            removed = remove_leftovers(output_dir)
-            print(f"removed what an interrupted run left in {output_dir}: {', '.join(removed)}")
+        try:
+            take_folder(output_dir, resume, overwrite, resume_from, inside)
+        except BaseException:
+            files.remove_empty(made)  # a failed claim leaves no empty folder of its own making behind
+            raise
 
     checked_on_main_process(accelerator, claim)
+
+
+def take_folder(output_dir: str, resume: Optional[str], overwrite: bool, resume_from: Optional[str],
+                inside: bool) -> None:
+    """claim_output_dir's work under the lock, in output_dir, which exists (main process). `inside`: resume_from is
+    a checkpoint of output_dir."""
+    lock_file = take_lock(output_dir)
+    if choose_checkpoint(resume, output_dir, overwrite) != resume_from:
+        raise InputError(f"another run wrote a checkpoint into {output_dir} while this one was starting; "
+                         "start again to choose among them")
+    if overwrite and inside:  # --resume <a checkpoint of it>: only the checkpoints after it go aside
+        move_aside(output_dir, later_checkpoints(output_dir, resume_from))
+    elif overwrite and set(os.listdir(output_dir)) - {LOCK}:
+        move_run_aside(output_dir)  # the lock moves with it, still held, until the new one is taken
+        take_lock(output_dir)
+        _held_locks.remove(lock_file)
+        lock_file.close()
+    if any(name.startswith(LEFTOVERS) for name in os.listdir(output_dir)):
+        removed = remove_leftovers(output_dir)
+        print(f"removed what an interrupted run left in {output_dir}: {', '.join(removed)}")
+
+
+def holds(folder: str, path: str) -> bool:
+    """Whether `path` is `folder` or lies inside it, by its path as given or through the links on the way."""
+    return any(os.path.commonpath([inner, outer]) == outer
+               for inner, outer in ((os.path.abspath(path), os.path.abspath(folder)),
+                                    (os.path.realpath(path), os.path.realpath(folder))))
 
 
 def take_lock(output_dir: str):
@@ -207,8 +226,54 @@ def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bo
 
 
 def find_checkpoint(cfg: TrainConfig) -> Optional[str]:
-    """The checkpoint that --resume names, or None for a fresh run; refuses to mix runs in one folder."""
+    """The checkpoint that --resume names, or None for a fresh run; refuses to mix runs in one folder, and an
+    --overwrite_output_dir that would move aside what the run reads."""
+    resume = resolved_checkpoint(cfg.resume)
     output_dir = cfg.output_dir  # the folder the run goes on in: the one given, or a step_<N> path's own
-    if cfg.resume not in (None, "latest", "auto") and output_dir == TrainConfig.output_dir:
-        output_dir = os.path.dirname(os.path.normpath(cfg.resume)) or "."
-    return find_resume_checkpoint(cfg.resume, output_dir, cfg.overwrite_output_dir)
+    if resume not in (None, "latest", "auto") and output_dir == TrainConfig.output_dir:
+        output_dir = os.path.dirname(os.path.normpath(resume)) or "."
+    path = find_resume_checkpoint(resume, output_dir, cfg.overwrite_output_dir)
+    if cfg.overwrite_output_dir:
+        refuse_moving_what_it_reads(cfg, output_dir, path)
+    return path
+
+
+def resolved_checkpoint(resume: Optional[str]) -> Optional[str]:
+    """--resume <path> with the links on its way resolved, where it has any (else as given, as messages name it):
+    a run resumed through a link goes on in the checkpoint's real folder, and locks that one."""
+    if resume in (None, "latest", "auto"):
+        return resume
+    real = os.path.realpath(resume)
+    return real if real != os.path.abspath(resume) else resume
+
+
+def refuse_moving_what_it_reads(cfg: TrainConfig, output_dir: str, checkpoint: Optional[str]) -> None:
+    """--overwrite_output_dir moves output_dir aside (with --resume of one of its checkpoints, the checkpoints after
+    it): refused, before anything moves, where that holds a file or folder the run reads, which the run (or the
+    next --resume) would then not find."""
+    if checkpoint and holds(output_dir, checkpoint):
+        moved = [os.path.join(output_dir, name) for name in later_checkpoints(output_dir, checkpoint)]
+        what = f"{', '.join(map(os.path.basename, moved))} of {output_dir}"
+    else:
+        moved = [output_dir] if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {LOCK} else []
+        what = f"the run in {output_dir}"
+    for flag, path in read_by_the_run(cfg, checkpoint):
+        if any(holds(folder, path) for folder in moved):
+            raise InputError(f"--overwrite_output_dir would move {what} aside, and this run reads {flag} {path} "
+                             f"from there; move it out of {output_dir} first, or choose another --output_dir")
+
+
+def read_by_the_run(cfg: TrainConfig, checkpoint: Optional[str]) -> list[tuple[str, str]]:
+    """(flag, path) of what the run reads from disk: --data, --eval_data, a local --model, the checkpoint it resumes.
+    A resume reads those its checkpoint recorded where the command line gives none (config_of)."""
+    given = {key: getattr(cfg, key) for key in ("data", "eval_data", "model")}
+    if checkpoint:
+        try:
+            recorded = read_position(checkpoint).get("config") or {}
+        except InputError:  # the resume refuses it, in its own words
+            recorded = {}
+        given = {key: recorded.get(key) if value == getattr(TrainConfig, key) and recorded.get(key) else value
+                 for key, value in given.items()}
+    reads = [(f"--{key}", value) for key, value in given.items()
+             if isinstance(value, str) and value and (key != "model" or os.path.exists(value))]
+    return reads + ([("--resume", checkpoint)] if checkpoint else [])

@@ -26,9 +26,9 @@ from textclf.config import RESUME_MAY_CHANGE, TrainConfig, field_names
 from textclf.errors import InputError, checked_on_main_process, say
 from textclf.launch import launch_environment, this_launch
 
-from .folders import FSDP_SHARDED, POSITION, find_best_checkpoint
+from .folders import FSDP_SHARDED, POSITION, LaterCheckpoints, find_best_checkpoint
 from .output_dir import claim_output_dir, find_checkpoint
-from .verify import read_verified_position, verify_files
+from .verify import read_verified_position, verified_folder, verify_files
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -53,15 +53,41 @@ class Start:
     """The micro-batch and accumulation the run asked for, which its checkpoints record: a launch of another size
     splits the global batch otherwise, and the same command then resumes them again on any number of processes."""
 
+    def verified_folder(self, name: str) -> Optional[str]:
+        """The checkpoint's sub-folder `name` (the tokenizer it was trained with), once every file in it is the one
+        its position.json recorded, before any is read; None for a fresh run."""
+        return None if self.checkpoint is None else verified_folder(self.checkpoint, name)
 
-def plan_start(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[TrainConfig, Start]:
+
+def plan_start(cfg: TrainConfig, argv: Optional[list[str]] = None,
+               refusals: Optional[list[str]] = None) -> tuple[TrainConfig, Start]:
     """The config this run trains with, and where it starts; before torch is imported. `argv`: the command line that
-    made `cfg`, which a resume parses again over the checkpoint's config (plan_resume)."""
-    path = find_checkpoint(cfg)
+    made `cfg`, which a resume parses again over the checkpoint's config (plan_resume).
+
+    A resume's refusals are named together, one line each of one InputError, so that one launch says all that must
+    change, not one a launch; with `refusals` (the check command, which calls them conflicts) they are added there
+    instead, and the plan goes on as far as it can. One the plan cannot go on after (the output folder in use, a
+    position.json that is not the one saved) ends it at once, after those found before it."""
+    gathered = [] if refusals is None else refusals
+    try:
+        path = find_checkpoint(cfg)
+    except LaterCheckpoints as e:  # the checkpoint is still known: its own refusals are named with this one
+        gathered.append(str(e))
+        path = e.checkpoint
     if path is None:
         return cfg, Start(asked_split={key: getattr(cfg, key) for key in SPLIT})
-
-    return plan_resume(cfg, argv, path)
+    try:
+        cfg, start, rescaled = plan_resume(cfg, argv, path, gathered)
+    except InputError as e:
+        if refusals is None and gathered:
+            raise InputError("\n".join([*gathered, str(e)])) from None
+        raise
+    if refusals is None:
+        if gathered:
+            raise InputError("\n".join(gathered))
+        if rescaled:
+            say(rescaled)
+    return cfg, start
 
 
 # What a run stores of its loss window, per rank (tracking.Window.state).
@@ -69,26 +95,45 @@ WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "r
                "padded_tokens": (int,)}
 
 
-def plan_resume(cfg: TrainConfig, argv: Optional[list[str]], path: str) -> tuple[TrainConfig, Start]:
-    """The config a run resuming `path` trains with, and where it starts. `argv`: the command line that made `cfg`,
+def plan_resume(cfg: TrainConfig, argv: Optional[list[str]], path: str,
+                refusals: list[str]) -> tuple[TrainConfig, Start, Optional[str]]:
+    """The config a run resuming `path` trains with, where it starts, and the line that says how it keeps the
+    checkpoint's global batch on another number of processes (or None). `argv`: the command line that made `cfg`,
     parsed again over the checkpoint's config (what it does not set comes from the checkpoint); without it, `cfg`
-    (a config built in code) is taken as it is and must agree with the checkpoint."""
-    position, cfg = config_for(cfg, argv, path)
+    (a config built in code) is taken as it is and must agree with the checkpoint. Each refusal known before torch
+    is imported is added to `refusals` (once: check_against repeats batch_split's), and the plan goes on."""
+
+    def unless_refused(check, *args):
+        try:
+            return check(*args)
+        except InputError as e:
+            for line in str(e).splitlines():
+                if line not in refusals:
+                    refusals.append(line)
+            return None
+
+    position = read_verified_position(path)
+    made_with = config_of(path, position)
+    if made_with is not None and argv is not None:
+        cfg = parse_config(argv, under=made_with)
+    unless_refused(check_against, path, position, {"config": cfg.to_dict()})
     asked = {key: getattr(cfg, key) for key in SPLIT}
     launch = this_launch(cfg.mixed_precision)
     world_size = launch["num_processes"]
-    split = batch_split(path, position, world_size)  # first: it refuses a checkpoint older than the launch's record
-    fsdp = launch_environment().fsdp
-    rescaled = check_against(path, position, {"world_size": world_size, "zero_stage": launch["zero_stage"],
-                                              "mixed_precision": launch["mixed_precision"],
-                                              "distributed_type": "FSDP" if fsdp else None})
-    if rescaled:
-        say(rescaled)
-    cfg = dataclasses.replace(cfg, **split)
+    split = unless_refused(batch_split, path, position, world_size)  # it refuses a checkpoint older than the record
+    rescaled = unless_refused(check_against, path, position, {
+        "world_size": world_size, "zero_stage": launch["zero_stage"], "mixed_precision": launch["mixed_precision"],
+        "distributed_type": "FSDP" if launch_environment().fsdp else None})
+    universal = unless_refused(needs_universal, path, position, world_size, cfg.load_best_model_at_end)
+    # What `resuming` would refuse once the run is built, known now.
+    unless_refused(refuse_pickle_unless_allowed, path, position, cfg.allow_pickle)
+    if position.get("best") and cfg.load_best_model_at_end:  # not at the end: the run could not export it
+        unless_refused(find_best_checkpoint, position["best"], cfg.output_dir)
+    cfg = dataclasses.replace(cfg, **(split or {}))
     return cfg, Start(
-        checkpoint=path, asked_split=asked,
-        position=on_this_launch(position, world_size, cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size),
-        universal=needs_universal(path, position, world_size, cfg.load_best_model_at_end))
+        checkpoint=path, asked_split=asked, universal=bool(universal),
+        position=on_this_launch(position, world_size, cfg.gradient_accumulation_steps,
+                                cfg.per_device_train_batch_size)), rescaled
 
 
 def resolve(cfg: TrainConfig, argv: Optional[list[str]] = None) -> tuple[Optional[str], dict, TrainConfig]:
@@ -328,10 +373,18 @@ def check_against(path: str, position: dict, this: dict) -> Optional[str]:
     if made_on == world:
         return None
     split = batch_split(path, position, world)
+    # Another number of processes sums the gradients in another order; a micro-batch split in two also draws other
+    # dropout masks. Either way the run goes on from the same example, but no longer bit for bit.
+    not_bitwise = ("its dropout masks (micro-batches split) and the order gradients are summed in differ, so from here "
+                   "it matches the uninterrupted run closely, not bit for bit"
+                   if split["per_device_train_batch_size"] < position["per_device_train_batch_size"] else
+                   "the order gradients are summed in differs, so from here it matches the uninterrupted run to "
+                   "rounding, not bit for bit")
     return (f"resuming {path}, made by {processes(made_on)} with micro-batch {position['per_device_train_batch_size']} "
             f"and gradient accumulation {position.get('gradient_accumulation_steps')}, on {processes(world)}: "
             f"micro-batch {split['per_device_train_batch_size']} and gradient accumulation "
-            f"{split['gradient_accumulation_steps']} keep its global batch of {position['global_batch_size']}")
+            f"{split['gradient_accumulation_steps']} keep its global batch of {position['global_batch_size']}; "
+            f"{not_bitwise}")
 
 
 def refuse_config_changes(path: str, made_with: dict, config: dict) -> None:

@@ -11,7 +11,7 @@ import os
 import pickle
 import re
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from textclf.errors import InputError, checked_on_main_process
 from textclf.files import sha256_all
@@ -49,13 +49,48 @@ def read_position(checkpoint: str) -> dict:
 
 
 def read_verified_position(checkpoint: str) -> dict:
-    """read_position, refusing a position.json whose fields are not the ones saved (its own sha256 differs).
-    One written before positions carried a sha256 has none to check (verify_files says so)."""
+    """read_position, refusing a position.json whose fields are not the ones saved (its own sha256 differs, or was
+    deleted). One an older textclf wrote, before positions carried a sha256, has none to check (verify_files says
+    so)."""
     position = read_position(checkpoint)
-    if "sha256" in position and sealed(position)["sha256"] != position["sha256"]:
+    if "sha256" not in position:
+        why = not_an_older_record(position)
+        if why:
+            raise InputError(f"cannot load checkpoint {checkpoint}: its {POSITION} has no sha256 of its own, yet no "
+                             f"older textclf wrote it ({why}): its sha256 was deleted, and none of its fields can be "
+                             "trusted; use another checkpoint")
+    elif sealed(position)["sha256"] != position["sha256"]:
         raise InputError(f"cannot load checkpoint {checkpoint}: {POSITION} is not the file that was saved (its sha256 "
                          "differs); use another checkpoint")
     return position
+
+
+# An older textclf, which wrote no sha256 of position.json, recorded the sha256 of each file up to this size and the
+# size alone of larger ones.
+OLDER_HASHED_UP_TO = 16 * 2 ** 20
+
+
+def not_an_older_record(position: dict) -> Optional[str]:
+    """What, in a position.json without a sha256 of its own, no older textclf wrote; None if an older one could have.
+
+    The missing sha256 cannot tell an older position from an edited one, as deleting it is part of the edit; nor
+    could a mark of the format, deleted as easily. What tells them apart is what an older textclf recorded, which
+    the current one does not: a sha256 for each file up to 16 MiB and none for a larger one (the current one hashes
+    every file), and no global_batch_size (recorded only since positions are sealed). An edit that deletes the
+    sha256 alone is refused; one that also deletes global_batch_size leaves a position that no resume accepts (the
+    global batch is how a resume splits its batches), and one that deletes the sha256 of the files above 16 MiB
+    leaves them checked by size, and said so in a warning, as an older checkpoint's are.
+    """
+    if "global_batch_size" in position:
+        return "it records global_batch_size"
+    for name, recorded in (listed_files(position) or {}).items():
+        size = recorded.get("size")
+        hashed_by_older = isinstance(size, int) and size <= OLDER_HASHED_UP_TO
+        if "sha256" in recorded and not hashed_by_older:
+            return f"it records a sha256 for {name}, of {size} bytes, above {OLDER_HASHED_UP_TO // 2 ** 20} MiB"
+        if "sha256" not in recorded and hashed_by_older:
+            return f"it records no sha256 for {name}, of {size} bytes, {OLDER_HASHED_UP_TO // 2 ** 20} MiB or less"
+    return None
 
 
 def required_states(world_size: int, zero_stage: Optional[int]) -> list[tuple[str, str]]:
@@ -81,15 +116,17 @@ def listed_files(position: dict) -> Optional[dict]:
     return files if valid else None
 
 
-def recorded_file_problems(checkpoint: str, position: dict) -> list[str]:
+def recorded_file_problems(checkpoint: str, position: dict, names: Optional[Iterable[str]] = None) -> list[str]:
     """How the files differ from the list position.json recorded when the checkpoint was completed: each is
-    read in full and hashed, whatever its size. One line per file."""
+    read in full and hashed, whatever its size. One line per file. `names`: those of the recorded files alone."""
     files = listed_files(position)
     if files is None:
         return [f"its {POSITION} lists no files to check it against (written by an older textclf, or edited); "
                 "use a checkpoint this version wrote"]
+    if names is not None:
+        files = {name: files[name] for name in names}
     # Before position.json had a sha256 of its own, files above 16 MiB were recorded by size alone.
-    older = "sha256" not in position
+    older = "sha256" not in position and not_an_older_record(position) is None
     problems, to_hash = [], []
     for name, recorded in files.items():
         path = os.path.join(checkpoint, name)
@@ -111,10 +148,43 @@ def recorded_file_problems(checkpoint: str, position: dict) -> list[str]:
         elif digest != files[name].get("sha256"):
             problems.append(f"{name} is not the file that was saved (its sha256 differs)")
     unhashed = sorted(name for name in files if name not in to_hash and not any(p.startswith(name) for p in problems))
-    if older and unhashed:
+    if older:
+        warn_older(checkpoint, unhashed)
+    return problems
+
+
+def warn_older(checkpoint: str, unhashed: list[str]) -> None:
+    """What an older textclf's checkpoint leaves unchecked: its position.json, and the files it recorded by size."""
+    if unhashed:
         print(f"warning: {checkpoint} was written by an older textclf, which recorded no sha256 for "
               f"{', '.join(unhashed)} or for its {POSITION}: those are checked by their size alone", file=sys.stderr)
-    return problems
+    else:
+        print(f"warning: {checkpoint} was written by an older textclf, which recorded no sha256 for its {POSITION}: "
+              "its fields are not checked", file=sys.stderr)
+
+
+def verified_folder(checkpoint: str, folder: str) -> str:
+    """The path of `checkpoint`'s sub-folder `folder` (the tokenizer train.py saves in it), for a resume to load
+    before the rest of the checkpoint is verified: once position.json is the one saved and every file in the folder
+    is one it recorded, as saved. One line per file that is not."""
+    position = read_verified_position(checkpoint)
+    files = listed_files(position)
+    if files is None:
+        raise InputError(f"cannot resume from {checkpoint}: {recorded_file_problems(checkpoint, position)[0]}")
+    recorded = sorted(name for name in files if name.startswith(f"{folder}/"))
+    if not recorded:
+        raise InputError(f"cannot resume from {checkpoint}: its {POSITION} records no {folder}/ folder, which a "
+                         "resume loads from it; resume from another checkpoint (--resume <output_dir>/step_<N>)")
+    path = os.path.join(checkpoint, folder)
+    present = {os.path.relpath(os.path.join(root, name), checkpoint) for root, _, names in os.walk(path)
+               for name in names}
+    problems = recorded_file_problems(checkpoint, position, recorded)
+    problems += [f"{name} is not among the files it recorded (loading {folder}/ would read it all the same)"
+                 for name in sorted(present - set(recorded))]
+    if problems:
+        raise InputError("\n".join(f"cannot resume from {checkpoint}: {problem}; resume from another checkpoint "
+                                   "(--resume <output_dir>/step_<N>)" for problem in problems))
+    return path
 
 
 def verify_checkpoint(checkpoint: str, position: dict) -> None:

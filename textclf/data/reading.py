@@ -97,7 +97,15 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        table = datasets.load_dataset(builder, data_files=path, split="train", **options)
+        try:
+            table = datasets.load_dataset(builder, data_files=path, split="train", **options)
+        except datasets.exceptions.DatasetGenerationError as e:
+            columns = isinstance(e.__cause__, OverflowError) and builder == "csv" and oversized_integers(path, options)
+            if not columns:
+                raise
+            # As a JSON reader reads them: the numbers they are, as floats; a task that needs them exact refuses.
+            table = datasets.load_dataset(builder, data_files=path, split="train",
+                                          converters={column: read_number for column in columns}, **options)
     except datasets.exceptions.DatasetGenerationError as e:  # it wraps the parser's error: that one is judged
         raise e.__cause__ if isinstance(e.__cause__, PARSER_ERRORS) else e
     finally:
@@ -105,6 +113,31 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
     # pyarrow's JSON reader keeps bytes that are not UTF-8 in its strings; a full check finds them (ms).
     table.data.validate(full=True)
     return table
+
+
+def oversized_integers(path: str, options: dict) -> list[str]:
+    """The columns of a delimited file that hold integers only, some of them past 64 bits: pandas reads such a
+    column as Python integers, which Arrow cannot hold (an OverflowError)."""
+    if len(options["sep"]) != 1:  # a pattern, which the csv module does not split by
+        return []
+    with open(path, encoding=options["encoding"], newline="") as f:
+        rows = (row for row in csv.reader(f, delimiter=options["sep"]) if row)
+        names = next(rows, [])
+        integers, oversized = [True] * len(names), [False] * len(names)
+        for row in rows:
+            for i, cell in enumerate(row[:len(names)]):
+                if integers[i] and cell.strip():
+                    integers[i] = INTEGER.fullmatch(cell) is not None
+                    oversized[i] = oversized[i] or integers[i] and not -2 ** 63 <= int(cell) < 2 ** 63
+    return [name for name, whole, past in zip(names, integers, oversized) if whole and past]
+
+
+INTEGER = re.compile(r"\s*[+-]?\d+\s*")
+
+
+def read_number(cell: str) -> Optional[float]:
+    """A cell of a column of integers past 64 bits, as the float a JSON reader makes of it; empty: missing."""
+    return float(cell) if cell.strip() else None
 
 
 def require_column(table: Dataset, path: str, role: str, column: str) -> None:

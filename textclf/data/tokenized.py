@@ -1,7 +1,10 @@
-"""Tokenizing, cached by `datasets` (a bar: the one data stage that takes minutes), the sample of texts a scratch
-tokenizer is learnt from, and what the other ranks of a launch say while the local main process does it.
+"""Tokenizing, cached by `datasets` (a bar: the one data stage that takes minutes) and checked against the checksums
+recorded when the cache was written, the sample of texts a scratch tokenizer is learnt from, and what the other ranks
+of a launch say while the local main process does it.
 """
 
+import glob
+import json
 import os
 import random
 import threading
@@ -14,9 +17,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from accelerate import PartialState
 from datasets import Dataset
+from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
-from textclf.errors import say
+from textclf import files
+from textclf.errors import InputError, say
 
 from .reading import text_columns
 
@@ -49,8 +54,9 @@ ROWS_PER_TOKENIZING_PROCESS = 20_000
 def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, num_proc=None,
              show_progress: bool = False) -> Dataset:
     """Token ids plus each example's length, a pair's as one sequence (truncated longest first), cached on disk
-    by `datasets`. Token types are kept only where they say something (a pair's, or a family that marks single
-    texts too) and the model takes them; the collator makes the attention mask as it pads."""
+    by `datasets`, a cache trusted only as it was written (drop_damaged). Token types are kept only where they say
+    something (a pair's, or a family that marks single texts too) and the model takes them; the collator makes the
+    attention mask as it pads."""
     texts = text_columns(table)
     pairs = "text_pair" in texts
     types = None if pairs or any(tokenizer("x").get("token_type_ids", [])) else False  # None: if the model takes them
@@ -67,22 +73,127 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
         return batch.append_column("length", pc.list_value_length(ids))
 
     start, started = time.perf_counter(), time.time()
+    table = table.with_format("arrow")
+    cache = cache_file(table, encode)
+    # Under a launch the local main process tokenizes before the others: it alone checks the cache and rebuilds
+    # what is damaged, so that the others read what it checked and no two rebuild the same file at once.
+    checking = cache is not None and PartialState().is_local_main_process
+    trusted = drop_damaged(cache) if checking else set()
+    named = {} if cache is None else {"cache_file_name": cache, "new_fingerprint": cache_key(cache)}
     bar = show_progress and PartialState().is_main_process and not datasets.is_progress_bar_enabled()
     if bar:
         datasets.enable_progress_bars()
     try:
-        tokenized = table.with_format("arrow").map(encode, batched=True, num_proc=num_proc,
-                                                   desc=f"data: tokenizing {len(table):,} examples").with_format(None)
+        tokenized = table.map(encode, batched=True, num_proc=num_proc, desc=f"data: tokenizing {len(table):,} examples",
+                              **named).with_format(None)
     finally:
         if bar:
             datasets.disable_progress_bars()
-    files = [file["filename"] for file in tokenized.cache_files]
-    if show_progress and files and all(os.path.getmtime(file) < started for file in files):
-        say(f"data: {len(table):,} examples tokenized before, from the cache ({os.path.dirname(files[0])})")
+    cached = [file["filename"] for file in tokenized.cache_files]
+    if checking:
+        record_checksums([file for file in files_of(cache) if file in cached and file not in trusted])
+    if show_progress and cached and all(os.path.getmtime(file) < started for file in cached):
+        say(f"data: {len(table):,} examples tokenized before, from the cache ({os.path.dirname(cached[0])})")
     elif show_progress:
         say(f"data: tokenized {len(table):,} examples in {time.perf_counter() - start:.1f} s"
-            + (f", cached in {os.path.dirname(files[0])}" if files else ""))
+            + (f", cached in {os.path.dirname(cached[0])}" if cached else ""))
     return tokenized
+
+
+# Beside each file of the tokenized cache, what it held when it was written: {"size": bytes, "sha256": hex}.
+CHECKSUM_SUFFIX = ".sha256.json"
+
+
+def cache_file(table: Dataset, encode) -> Optional[str]:
+    """The file `datasets` caches `table` mapped by `encode` in, named by both, beside the table's own cache files
+    (with several tokenizing processes, one file per process: its name plus a suffix); None where nothing is cached
+    for a later run: a table in memory, caching turned off, or a tokenizer that does not pickle (`datasets` then
+    names its cache at random)."""
+    if not (table.cache_files and datasets.is_caching_enabled()):
+        return None
+    try:
+        key = Hasher.hash([table._fingerprint, encode])
+    except Exception:  # whatever pickling a tokenizer raises: `datasets` catches it all too
+        return None
+    return os.path.join(os.path.dirname(table.cache_files[0]["filename"]), f"cache-{key}.arrow")
+
+
+def cache_key(cache: str) -> str:
+    """The tokenized table's fingerprint: its cache file's key."""
+    return os.path.basename(cache).removeprefix("cache-").removesuffix(".arrow")
+
+
+def files_of(cache: str) -> list[str]:
+    """The files `datasets` wrote for `cache`: the file, or one per tokenizing process."""
+    prefix, ext = os.path.splitext(cache)
+    return sorted(glob.glob(glob.escape(prefix) + "*" + ext))
+
+
+def drop_damaged(cache: str) -> set[str]:
+    """The files of `cache` that hold what was written to them (their size and sha256 are those recorded beside
+    them). The others are removed, with their records, and said in one line: `datasets` then tokenizes again what
+    they held, never reads them."""
+    found = files_of(cache)
+    problems = cache_problems(found)
+    if problems:
+        (name, (state, detail)), more = next(iter(problems.items())), len(problems) - 1
+        print(f"data: the cache of tokenized examples in {os.path.dirname(cache)} {state} ({os.path.basename(name)}: "
+              f"{detail}{f'; and {more} more of its files' if more else ''}); tokenizing again", flush=True)
+        for file in problems:
+            try:
+                files.remove(file + CHECKSUM_SUFFIX)
+                files.remove(file)
+            except OSError as e:
+                raise InputError(f"cannot remove {file}, a damaged cache of tokenized examples: {e.strerror}; remove "
+                                 "it yourself (or make its folder writable), then run again") from None
+    return set(found) - set(problems)
+
+
+def cache_problems(found: list[str]) -> dict[str, tuple[str, str]]:
+    """(what the cache is, why) for each of the files `found` whose size or sha256 is not what its record says, that
+    has no record, or that cannot be read. Only files of the recorded size are hashed."""
+    problems, to_hash = {}, {}
+    for file in found:
+        record = checksum_record(file)
+        if isinstance(record, str):
+            problems[file] = ("is unverified", record)
+            continue
+        try:
+            size = os.path.getsize(file)
+        except OSError as e:
+            problems[file] = ("cannot be read", e.strerror or str(e))
+            continue
+        if size != record["size"]:
+            problems[file] = ("is damaged", f"{size:,} bytes where {record['size']:,} were written")
+        else:
+            to_hash[file] = record["sha256"]
+    for (file, recorded), digest in zip(to_hash.items(), files.sha256_all(list(to_hash))):
+        if isinstance(digest, OSError):
+            problems[file] = ("cannot be read", digest.strerror or str(digest))
+        elif digest != recorded:
+            problems[file] = ("is damaged", "its sha256 is not the one recorded when it was written")
+    return dict(sorted(problems.items()))
+
+
+def checksum_record(file: str):
+    """The size and sha256 recorded beside a cache file, or why there is none to trust."""
+    try:
+        with files.open_existing(file + CHECKSUM_SUFFIX, "r", encoding="utf-8") as f:
+            record = json.load(f)
+        return {"size": int(record["size"]), "sha256": str(record["sha256"])}
+    except FileNotFoundError:
+        return "no checksum was recorded beside it when it was written"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its checksum record does not read ({getattr(e, 'strerror', None) or e})"
+
+
+def record_checksums(written: list[str]) -> None:
+    """Record beside each newly written cache file its size and sha256, each in one rename."""
+    for file, digest in zip(written, files.sha256_all(written)):
+        if isinstance(digest, OSError):
+            raise InputError(f"cannot read {file}, the cache of tokenized examples just written: {digest.strerror}; "
+                             "check the disk, then run again")
+        files.write_json(file + CHECKSUM_SUFFIX, {"size": os.path.getsize(file), "sha256": digest})
 
 
 # How long a rank waits before it says what for, and again as often. TEXTCLF_WAIT_NOTE_S overrides it (the tests).

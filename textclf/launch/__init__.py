@@ -33,7 +33,7 @@ from .estimates import (
     model_state_bytes,
     training_flops_per_token,
 )
-from .launch_line import fewer_processes
+from .launch_line import fewer_processes, gpus_named
 from .process import describe_run, exit_finished_run, run_scope, scoped, set_for_the_run, until_the_run_ends
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "framework_buffer_bytes", "model_state_bytes", "training_flops_per_token",
     "LaunchEnvironment", "before_the_accelerator", "check_command_line", "check_deepspeed_config",
     "check_launch_early", "check_trackers", "complete_the_plugin", "cuda_only", "deepspeed_conflicts", "describe_run",
-    "exit_finished_run", "fewer_processes", "float16_weights_conflict", "launch_environment", "launch_shortfall",
-    "load_deepspeed_ops", "refuse_float16_weights", "resolve_precision", "run_scope", "scoped", "set_for_the_run",
-    "this_launch", "until_the_run_ends", "zero_offload",
+    "exit_finished_run", "fewer_processes", "float16_weights_conflict", "gpus_named", "launch_environment",
+    "launch_shortfall", "load_deepspeed_ops", "refuse_float16_weights", "resolve_precision", "run_scope", "scoped",
+    "set_for_the_run", "this_launch", "until_the_run_ends", "zero_offload",
 ]

@@ -10,7 +10,7 @@ from textclf.errors import InputError
 
 from .deepspeed_config import refuse_conflicts, stage_and_precision
 from .environment import launch_environment
-from .launch_line import shortfall
+from .launch_line import launched_on_gpus, shortfall
 
 
 def check_command_line(cfg) -> None:
@@ -22,7 +22,7 @@ def check_command_line(cfg) -> None:
 def check_launch_early(cfg) -> None:
     """Once resume.plan_resume has given `cfg` (a resumed run's batch split included): float16 weights under fp16's
     loss scaler, a DeepSpeed JSON hard-coding what the training config owns; then, with torch loaded but not yet
-    transformers or the data, what this machine lacks: a CUDA GPU for fp16 or FSDP, a tracker asked for."""
+    transformers or the data, what this machine lacks: a CUDA GPU for a GPU file, fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
     refuse_float16_weights(cfg, cfg.torch_dtype)
     if launch["zero_stage"] is not None:
@@ -30,16 +30,32 @@ def check_launch_early(cfg) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        needs = cuda_only("FSDP" if launch_environment().fsdp else None, launch["mixed_precision"])
-        if needs:
-            raise InputError("\n".join(f"{need}, and this machine has none: {fix}" for need, fix in needs))
+        refuse_without_cuda(launch["mixed_precision"])
     if cfg.report_to != ["none"]:
         check_trackers(cfg.report_to)
 
 
-def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str, str]]:
+def refuse_without_cuda(precision: str, launch_line: Optional[list[str]] = None) -> None:
+    """On a machine without CUDA: what of this launch runs only on CUDA GPUs (cuda_only), refused before any
+    process trains. `launch_line`: the `accelerate launch` line (by default the parent process's), for its GPUs."""
+    where, gpu_ids = launched_on_gpus(launch_line) or (None, None)
+    needs = cuda_only("FSDP" if launch_environment().fsdp else None, precision, gpu_ids)
+    if needs:
+        raise InputError("\n".join(f"{where + ': ' if gpu_ids else ''}{need}, and this machine has none: {fix}"
+                                    for need, fix in needs))
+
+
+# Where a launch refused for its GPUs goes instead: the zoo's files that run on a CPU.
+CPU_FILES_INSTEAD = ("launch with a file of the zoo that runs on a CPU: accelerate_configs/cpu.yaml (DDP over gloo), "
+             "zero2.yaml or zero3.yaml (ZeRO; zero3 shards as FSDP does), or take gpu_ids out of a yaml of your own")
+
+
+def cuda_only(distributed_type: Optional[str], precision: str,
+              gpu_ids: Optional[str] = None) -> list[tuple[str, str]]:
     """(what needs CUDA, what to do instead) for each part of a launch that runs only on CUDA GPUs, which train.py
-    refuses and the check calls a conflict without CUDA: neither would fail, just silently run something else."""
+    refuses and the check calls a conflict without CUDA: neither would fail, just silently run something else.
+    `gpu_ids`: the GPUs the launch names (launch_line.gpus_named), which make it a GPU file of the zoo or one like
+    them: then one pair, naming all it needs, and the CPU files to launch with instead."""
     needs = []
     if precision == "fp16":
         needs.append(("mixed_precision fp16 needs a CUDA GPU (on a CPU it would silently run fp32)",
@@ -48,6 +64,10 @@ def cuda_only(distributed_type: Optional[str], precision: str) -> list[tuple[str
     if distributed_type == "FSDP":
         needs.append(("distributed_type FSDP needs CUDA GPUs (on a CPU accelerate would silently run plain DDP "
                       "instead)", "launch with accelerate_configs/zero3.yaml, the same sharding, which runs on a CPU"))
+    if gpu_ids is not None:
+        gpus = (f"gpu_ids {gpu_ids} makes it a GPU launch, which needs CUDA GPUs (on a CPU its processes would "
+                "silently train there instead)")
+        return [("; ".join([gpus, *(need for need, _ in needs)]), CPU_FILES_INSTEAD)]
     return needs
 
 

@@ -1,9 +1,11 @@
-"""The `accelerate launch` line that started a run, read as accelerate reads it: how many processes it asked for."""
+"""The `accelerate launch` line that started a run, read as accelerate reads it: how many processes it asked for,
+and whether it names GPUs."""
 
+import argparse
 import logging
 import os
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import psutil
 
@@ -19,21 +21,61 @@ def fewer_processes(started: int, requested: int, distributed_type: str, path: O
             "--multi_gpu on the launch line")
 
 
-def shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional[str]:
-    """fewer_processes for the `accelerate launch` that started this run (launch.launch_shortfall): its line (by
-    default the parent process's) read as accelerate reads it, with the yaml or the default config that `accelerate
-    config` wrote. None when it asked for no more than started, or when no `accelerate launch` started this run."""
+def gpus_named(line: argparse.Namespace, config) -> Optional[str]:
+    """The GPUs a launch names, which make it a GPU launch (train.py refuses it without CUDA, the check calls it a
+    conflict), or None. `line`: the launch line as given (not yet completed from the yaml); `config`: its yaml, read.
+
+    A GPU launch is one that names GPUs: --gpu_ids, or the yaml's gpu_ids. Every GPU file of the zoo names them
+    (all, or "0"), as `accelerate config` writes gpu_ids only for a launch not on the CPU (use_cpu false); cpu.yaml,
+    the ZeRO files and multi_node.yaml name none. The environment `accelerate launch` gives the ranks cannot tell:
+    gpu_ids all sets no variable, and ddp.yaml starts MULTI_GPU through torchrun with use_cpu false exactly as
+    cpu.yaml does, which runs on a CPU on purpose (train.py forms a gloo group there); the number of processes and
+    bf16 are the launch line's to choose for either (cpu.yaml --num_processes 8 --mixed_precision bf16 gives
+    ddp_bf16.yaml's environment). A launch that asks for the CPU itself (--cpu, use_cpu: true) runs there whatever
+    GPUs it names."""
+    if getattr(line, "cpu", False) or getattr(config, "use_cpu", False):
+        return None
+    named = line.gpu_ids if getattr(line, "gpu_ids", None) is not None else getattr(config, "gpu_ids", None)
+    return None if named is None else str(named)
+
+
+def parent_launch_line() -> Optional[list[str]]:
+    """The arguments of the `accelerate launch` that started this process (its parent, which torchrun's agent and
+    the simple launcher run in), or None when no `accelerate launch` did."""
+    try:
+        parent = psutil.Process().parent()
+        command = parent.cmdline() if parent is not None else []
+    except psutil.Error:
+        return None
+    ends = [i for i, arg in enumerate(command) if arg == "launch" or arg.endswith("accelerate.commands.launch")]
+    return command[ends[0] + 1:] if ends else None
+
+
+class LaunchLine(NamedTuple):
+    """An `accelerate launch` line, read as accelerate's launcher reads it."""
+
+    given: argparse.Namespace
+    """As typed."""
+    completed: argparse.Namespace
+    """Completed from the yaml, as the launcher runs it."""
+    path: Optional[str]
+    """The yaml: --config_file, or the default config that `accelerate config` wrote (None: neither)."""
+    config: object
+    """The yaml, read (None without one)."""
+
+
+def read_launch_line(launch_line: Optional[list[str]] = None) -> Optional[LaunchLine]:
+    """`launch_line` (by default the parent process's) as accelerate reads it; None when no `accelerate launch`
+    started this process."""
+    launch_line = parent_launch_line() if launch_line is None else launch_line
     if launch_line is None:
-        command = psutil.Process().parent().cmdline()
-        ends = [i for i, arg in enumerate(command) if arg == "launch" or arg.endswith("accelerate.commands.launch")]
-        if not ends:
-            return None
-        launch_line = command[ends[0] + 1:]
+        return None
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     try:
-        args = launch_command_parser().parse_args(launch_line)
+        given = launch_command_parser().parse_args(launch_line)
+        completed = argparse.Namespace(**vars(given))
         logger = logging.getLogger("accelerate.commands.launch")
         level = logger.level
         logger.setLevel(logging.ERROR)  # its warnings about defaults were printed by the launch itself
@@ -42,11 +84,33 @@ def shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional
                 warnings.simplefilter("ignore")
                 # accelerate's private merge of the yaml and the launch line, what its launcher itself reads (no
                 # public one); tests/test_users.py's shortfall test fails if it changes
-                args = _validate_launch_command(args)[0]
+                completed = _validate_launch_command(completed)[0]
         finally:
             logger.setLevel(level)
-        path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-        kind = load_config_from_file(path).distributed_type if path else "NO"
+        path = completed.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+        return LaunchLine(given, completed, path, load_config_from_file(path) if path else None)
     except (SystemExit, ValueError):  # a line this accelerate reads otherwise: nothing to say about it
         return None
-    return fewer_processes(started, args.num_processes or 1, str(getattr(kind, "value", kind)), path)
+
+
+def shortfall(started: int, launch_line: Optional[list[str]] = None) -> Optional[str]:
+    """fewer_processes for the `accelerate launch` that started this run (launch.launch_shortfall): its line (by
+    default the parent process's) read as accelerate reads it, with the yaml or the default config that `accelerate
+    config` wrote. None when it asked for no more than started, or when no `accelerate launch` started this run."""
+    read = read_launch_line(launch_line)
+    if read is None:
+        return None
+    kind = read.config.distributed_type if read.config is not None else "NO"
+    return fewer_processes(started, read.completed.num_processes or 1, str(getattr(kind, "value", kind)), read.path)
+
+
+def launched_on_gpus(launch_line: Optional[list[str]] = None) -> Optional[tuple[str, str]]:
+    """(where, gpu ids): the GPUs the `accelerate launch` that started this run names (gpus_named), and where it
+    names them (its yaml, or the launch line); None when it names none, or no `accelerate launch` started it."""
+    read = read_launch_line(launch_line)
+    if read is None:
+        return None
+    named = gpus_named(read.given, read.config)
+    if named is None:
+        return None
+    return ("the launch line (--gpu_ids)" if read.given.gpu_ids is not None else read.path), named

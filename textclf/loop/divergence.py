@@ -1,11 +1,14 @@
 """A diverged run stops before it saves: a loss, gradient norm or weight that is not finite ends the run with one
-line naming the step, the likely cause and the last good checkpoint; no checkpoint of NaN weights is written.
+line naming the step, the likely cause and the last good checkpoint; no checkpoint of NaN weights is written. The
+cause named is the labels' scale where the task says they are numbers of a huge magnitude, the data or the model
+where the first step's loss or gradient came out of the initial weights not finite, else the learning rate.
 
 No step waits for the device: losses and gradient norms fold into a number kept there, read at the log lines
 (which wait for the loss anyway) and before every evaluation and save, where the weights are checked too. A step
 the fp16 loss scaler skipped (an overflow) is no divergence: nothing of it reached the weights.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -21,9 +24,12 @@ LOSS, GRAD_NORM = 1, 2  # what was not finite, as bits of the code kept per step
 class DivergenceWatch:
     """Non-finite losses and gradient norms of the steps the optimizer took, kept on the device until `check`."""
 
-    def __init__(self, accelerator: Accelerator, learning_rate: float, clipping: bool, output_dir: str):
+    def __init__(self, accelerator: Accelerator, learning_rate: float, clipping: bool, output_dir: str,
+                 labels_scale: Optional[float] = None):
+        """`labels_scale`: the largest magnitude of the training labels where the task says it bears (a regression's:
+        Task.labels_scale), which a diverged run's line names as the likely cause when it is huge."""
         self.accelerator, self.learning_rate, self.clipping = accelerator, learning_rate, clipping
-        self.output_dir = output_dir
+        self.output_dir, self.labels_scale = output_dir, labels_scale
         self.first = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the first bad step's code; 0: none
         self.step_bits = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the running step's
 
@@ -55,13 +61,15 @@ class DivergenceWatch:
         if codes:
             first, bits = divmod(min(codes), 4)
             what = [name for bit, name in ((LOSS, "loss"), (GRAD_NORM, "gradient norm")) if bits & bit]
+            # Step 1's loss and gradients come from the initial weights: no learning rate has acted on them yet.
             raise self.diverged(f"step {first}: its {' and '.join(what)} {'are' if len(what) > 1 else 'is'} not finite "
-                                "(NaN or inf)")
+                                "(NaN or inf)", before_any_update=first == 1)
         if any(bad):
             raise self.diverged(f"step {step}: the weights it reached are not finite (NaN or inf)")
 
-    def diverged(self, where: str) -> Exception:
-        return diverged(where, self.output_dir, self.learning_rate, self.clipping)
+    def diverged(self, where: str, before_any_update: bool = False) -> Exception:
+        return diverged(where, self.output_dir, self.learning_rate, self.clipping, before_any_update,
+                        self.labels_scale)
 
 
 def all_finite(model, device) -> torch.Tensor:
@@ -77,13 +85,31 @@ def all_finite(model, device) -> torch.Tensor:
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
-def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool) -> InputError:
+def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool, before_any_update: bool = False,
+             labels_scale: Optional[float] = None) -> InputError:
     """divergence.DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
-    the remedy is a new run."""
+    the remedy is a new run. `labels_scale`: the largest magnitude of the labels, where the task says it bears
+    (a regression's); `before_any_update`: what diverged came from the initial weights (step 1's loss or gradient)."""
 
     found = complete_checkpoints(output_dir)
     last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
                  else "no checkpoint was saved before it")
+    if labels_scale is not None and labels_scale >= LARGE_LABELS:
+        power = 10.0 ** math.floor(math.log10(labels_scale))
+        return InputError(f"training diverged at {where}; the labels' scale is the likely cause: they reach "
+                          f"{labels_scale:.3g} in magnitude, and the loss is their squared error from outputs that "
+                          f"start near 0. Nothing of it was saved: {last_good}; scale the labels to around 1 (e.g. "
+                          f"divide them by {power:.0e}, or standardize them), then start a new run")
+    if before_any_update:
+        return InputError(f"training diverged at {where}, before any update: the learning rate is not the cause, the "
+                          "data or the initial model is (its loss on the first examples is not finite). Nothing of it "
+                          f"was saved: {last_good}; look at the labels (their scale, for --task regression) and the "
+                          "model's weights, then start a new run")
     clip = "" if clipping else " (or clip gradients with --max_grad_norm 1.0)"
     return InputError(f"training diverged at {where}; the learning rate {learning_rate:g} is likely too high. "
                       f"Nothing of it was saved: {last_good}; start a new run with a lower --learning_rate{clip}")
+
+
+# Labels of this magnitude or more make a diverged run's labels, not its learning rate, the likely cause: a model's
+# outputs start near 0, and the loss and its gradients grow with the labels.
+LARGE_LABELS = 1e6

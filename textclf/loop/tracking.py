@@ -27,17 +27,30 @@ LOG = "log.jsonl"
 
 class JsonLinesTracker(GeneralTracker):
     """log.jsonl as one of accelerate's trackers: a line per `accelerator.log` (main process), with the step, its
-    wall-clock `time` (the benchmark times steps from it) and the values."""
+    wall-clock `time` (the benchmark times steps from it) and the values. `tracker_folders`: where the other
+    trackers write inside the output folder (tracker_folders), made real folders when this one starts."""
 
     name, requires_logging_directory, main_process_only = "log.jsonl", True, True
 
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str, tracker_folders: tuple[str, ...] = ()):
         super().__init__()
         self.output_dir = output_dir
+        self.tracker_folders = tracker_folders
 
     @property
     def tracker(self) -> str:
         return os.path.join(self.output_dir, LOG)
+
+    def start(self) -> None:
+        """The first tracker to start (accelerate starts them in log_with's order, on the main process, once the run
+        owns its output folder): a link planted in place of another tracker's folder is removed, not written
+        through, since that tracker's own code follows it."""
+        for folder in self.tracker_folders:
+            try:
+                files.real_folders(self.output_dir, folder)
+            except OSError as e:
+                raise write_failed("create", os.path.join(self.output_dir, folder), e,
+                                   continue_advice(self.output_dir)) from None
 
     def store_init_configuration(self, values: dict) -> None:
         pass  # run.json holds the config
@@ -55,8 +68,25 @@ def log_with(cfg: TrainConfig) -> list:
     check_launch_early)."""
     if cfg.report_to == ["none"]:
         return [JsonLinesTracker(cfg.output_dir)]
-    return [JsonLinesTracker(cfg.output_dir), *named_trackers(cfg.report_to, cfg.output_dir, cfg.project_name,
-                                                               cfg.run_name)]
+    named = named_trackers(cfg.report_to, cfg.output_dir, cfg.project_name, cfg.run_name)
+    return [JsonLinesTracker(cfg.output_dir, tracker_folders(named, cfg.output_dir)), *named]
+
+
+def tracker_folders(trackers: list, output_dir: str) -> tuple[str, ...]:
+    """Where `trackers` (named_trackers') write inside output_dir, relative to it: TensorBoard's folder, W&B's
+    wandb/ (its dir is the output folder unless WANDB_DIR says otherwise: tracker_config), Aim's .aim/ (accelerate
+    gives it the output folder as its repository). A folder outside the output folder (an absolute --run_name) is
+    the user's choice."""
+    folders = []
+    for tracker in trackers:
+        if isinstance(tracker, TensorBoardTracker):
+            folders.append(os.path.relpath(os.path.join(tracker.logging_dir_param, tracker.run_name), output_dir))
+        elif str(tracker) == "wandb" and not os.environ.get("WANDB_DIR"):
+            folders.append("wandb")
+        elif str(tracker) == "aim":
+            folders.append(".aim")
+    return tuple(folder for folder in folders
+                 if not os.path.isabs(folder) and folder.split(os.sep)[0] not in (os.pardir, os.curdir))
 
 
 def tracker_config(cfg: TrainConfig) -> dict:

@@ -5,6 +5,7 @@ job (data, tokenizer and model built one way for train.py, the benchmark and its
 
 from .build import (
     embedding_holders,
+    in_units,
     layer_classes,
     lora_settings,
     make_model,
@@ -19,7 +20,7 @@ from .speed import padding_multiple, speed_up
 from .trained import inference_accelerator, label_names, load_trained, read_training, run_config
 
 __all__ = [
-    "Job", "SCRATCH_VOCAB_SIZE", "build_job", "embedding_holders", "export_model", "inference_accelerator",
+    "Job", "SCRATCH_VOCAB_SIZE", "build_job", "embedding_holders", "export_model", "in_units", "inference_accelerator",
     "label_names", "layer_classes", "load_data", "load_trained", "lora_settings", "make_model", "model_config",
     "padding_multiple", "parameter_counts", "parameter_groups", "predict_logits", "read_training", "refuse_existing",
     "run_config", "save_verified", "scratch_config", "scratch_size", "scratch_tokenizer_folder", "speed_up",

@@ -25,9 +25,17 @@ from .pretrained import (
     load_refused,
     load_report_as_one_line,
     read_config,
+    refuse_misshapen_body,
     with_head,
 )
-from .scratch import load_learnt_tokenizer, scratch_config, scratch_size, scratch_tokenizer_folder, train_tokenizer
+from .scratch import (
+    load_learnt_tokenizer,
+    load_saved_tokenizer,
+    scratch_config,
+    scratch_size,
+    scratch_tokenizer_folder,
+    train_tokenizer,
+)
 
 # Parameter names that take no weight decay, as the Trainer names them (Trainer.get_decay_parameter_names).
 NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -43,10 +51,19 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
 
 
 def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length: int,
-                  trust_remote_code: bool = False):
+                  trust_remote_code: bool = False, saved_in: Optional[str] = None):
     """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from `texts` (strings or
     batches of them) and cached under `texts_key` (sample_key). Call it on the local main process first:
-    the others then find the cached one."""
+    the others then find the cached one.
+
+    `saved_in`: a resume's, the folder where its checkpoint saved the tokenizer it was trained with, its files
+    already checked against the checkpoint's record; taken whatever the cache holds, since a tokenizer learnt
+    again from the same texts is not always the same vocabulary."""
+    if saved_in is not None:
+        tokenizer = load_saved_tokenizer(saved_in, max_length) if scratch_size(model) else \
+            load_pretrained_tokenizer(saved_in, trust_remote_code)
+        say(f"data: the tokenizer of {len(tokenizer):,} tokens that the checkpoint was trained with, from {saved_in}")
+        return tokenizer
     if not scratch_size(model):
         return load_pretrained_tokenizer(model, trust_remote_code)
     folder = scratch_tokenizer_folder(cache_dir, texts_key)
@@ -122,9 +139,9 @@ def make_model(config: PretrainedConfig, weights=None, *, lora=None, complete: b
 
 def from_pretrained(weights: str, config: PretrainedConfig, complete: bool, dtype: dict,
                     trust_remote_code: bool) -> PreTrainedModel:
-    """make_model's `from_pretrained`: a backbone, whose new head is said in one line, or with `complete` a model
-    folder, which must hold every weight (from_pretrained would fill what is missing with random ones, and only
-    warn)."""
+    """make_model's `from_pretrained`: a backbone, whose new head is said in one line and whose body must fit its
+    config, or with `complete` a model folder, which must hold every weight (from_pretrained would fill what is
+    missing or misshapen with random ones, and only warn)."""
     if complete:
         report = nullcontext()
     else:
@@ -134,6 +151,8 @@ def from_pretrained(weights: str, config: PretrainedConfig, complete: bool, dtyp
             model, info = MODEL_CLASS.from_pretrained(weights, config=config, ignore_mismatched_sizes=True,
                                                       output_loading_info=True, trust_remote_code=trust_remote_code,
                                                       **dtype)
+            if not complete:  # before the note on the new head, which would name them as part of it
+                refuse_misshapen_body(weights, model, info["mismatched_keys"])
     except SafetensorError as e:
         raise InputError(f"cannot load a model from {weights}: a weights file is damaged or incomplete "
                          f"({str(e).splitlines()[0]})" + ("; export it again" if complete else "")) from None
@@ -228,3 +247,11 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         enable({"use_reentrant": False})
     except ValueError as e:
         raise InputError(f"--gradient_checkpointing: {str(e).splitlines()[0]}") from None
+
+
+def in_units(count: int) -> str:
+    """A count of parameters in the unit that fits it, to three digits: 38,144 as 38.1k, 5,410,000 as 5.41M."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return str(count)

@@ -111,6 +111,7 @@ def save_verified(model, tokenizer, target: str, *, merge: bool = False, overwri
             tokenizer.save_pretrained(tmp)
             if training:
                 write_json(os.path.join(tmp, TRAINING), training)
+            files.give_usual_modes(tmp)  # safetensors writes its weights 0600, the rest of the folder is 0644
         except WRITE_ERRORS as e:
             raise write_failed("export the model to", target, e, "free space (or choose another place), then export "
                                "again: train.py --resume latest, or python -m textclf.export <step_N> <target>; "

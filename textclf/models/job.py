@@ -3,12 +3,13 @@ baselines, so that all of them train the same thing.
 """
 
 from contextlib import ExitStack, nullcontext
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from accelerate import PartialState
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from textclf.checkpointing import Start
 from textclf.config import TrainConfig
 from textclf.data import fingerprint, load_splits, sample_key, text_sample, tokenize, tokenizing_processes, waiting
 from textclf.launch import refuse_float16_weights
@@ -36,12 +37,14 @@ def load_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, list[str], str]:
     return train_set, eval_set, label_names, fingerprint(train_set)
 
 
-def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
+def build_job(cfg: TrainConfig, tokenizer_first=nullcontext, start: Optional[Start] = None) -> Job:
     """Data, tokenizer and model for `cfg`, the model's initial weights from the global seed; all the user can get
     wrong here is an InputError, raised before anything is written.
 
     `tokenizer_first` (such as `accelerator.local_main_process_first`) is the context in which the tokenizer is
-    learnt and the data tokenized: the other processes then find both in the caches.
+    learnt and the data tokenized: the other processes then find both in the caches. `start` (plan_start's): a
+    resume takes the tokenizer its checkpoint saved, once verified, whatever --cache_dir holds; a scratch tokenizer
+    is learnt for a fresh run alone.
     """
     config = model_config(cfg.model, cfg.max_length, cfg.trust_remote_code)  # a model it cannot train stops here
     if config is not None and cfg.torch_dtype == "auto":  # the weights load in the checkpoint's dtype
@@ -58,7 +61,8 @@ def build_job(cfg: TrainConfig, tokenizer_first=nullcontext) -> Job:
                 first.enter_context(tokenizer_first())
         texts = text_sample(train_set, cfg.tokenizer_sample, cfg.seed)
         texts_key = sample_key(data_fingerprint, len(train_set), cfg.tokenizer_sample, cfg.seed)
-        tokenizer = get_tokenizer(cfg.model, texts, cfg.cache_dir, texts_key, cfg.max_length, cfg.trust_remote_code)
+        tokenizer = get_tokenizer(cfg.model, texts, cfg.cache_dir, texts_key, cfg.max_length, cfg.trust_remote_code,
+                                  saved_in=start.verified_folder("tokenizer") if start else None)
         train_set, eval_set = (tokenize(split, tokenizer, cfg.max_length, num_proc=tokenizing_processes(len(split)),
                                         show_progress=True) for split in (train_set, eval_set))
     config = training_config(cfg.model, tokenizer, Task.from_config(cfg).head_config(label_names), cfg.max_length,

@@ -100,6 +100,27 @@ def load_pretrained_tokenizer(model: str, trust_remote_code: bool = False) -> Pr
     return tokenizer
 
 
+def refuse_misshapen_body(source: str, model, mismatched) -> None:
+    """Only a new classification head may be trained from random weights: a weight of the model's body (below its
+    base model) saved in another shape than its config says (transformers' `mismatched_keys`: key, saved shape,
+    the config's shape) is a folder whose config and weights disagree, refused in one line. A head of another
+    shape (the task has other labels than the folder's) is new, as fine-tuning expects."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or model.base_model is model:  # no body apart from a head to tell
+        return
+    body = sorted((key, tuple(saved), tuple(expected)) for key, saved, expected in mismatched
+                  if key.startswith(f"{prefix}."))
+    if body:
+        key, saved, expected = body[0]
+        others = [name for name, *_ in body[1:]]
+        also = f" (and {len(others)} more: {', '.join(others[:3])}{', ...' if len(others) > 3 else ''})" if others \
+            else ""
+        raise InputError(f"cannot fine-tune {source}: its saved {key} is {list(saved)} where its config makes it "
+                         f"{list(expected)}{also}; only a new classification head is trained from random weights, "
+                         "never the model's body: save the config and the weights from one model "
+                         "(save_pretrained), or choose another --model")
+
+
 @contextmanager
 def load_report_as_one_line(model: str):
     """transformers' LOAD REPORT (a table of the weights a backbone lacks or has in excess for its new head) as one

@@ -5,6 +5,7 @@ the training texts and cached by what it was learnt from.
 import json
 import os
 import shutil
+from typing import Optional
 
 from transformers import (
     BertConfig,
@@ -44,22 +45,54 @@ def scratch_tokenizer_folder(cache_dir: str, texts_key: str) -> str:
 
 
 def load_learnt_tokenizer(folder: str, max_length: int):
-    """The tokenizer learnt into `folder`, refused in one line when its files are not those it was learnt with: a
-    damaged cache would otherwise fail in the tokenizers library, or load as another vocabulary without a word.
-    A folder cached before the files were recorded is checked by loading it alone."""
-    try:
-        recorded = {}
-        if os.path.exists(os.path.join(folder, LEARNT_FILES)):
-            with open(os.path.join(folder, LEARNT_FILES), encoding="utf-8") as f:
-                recorded = json.load(f)
-        changed = [name for name, digest in recorded.items() if sha256(os.path.join(folder, name)) != digest]
-        damage = f"{', '.join(changed)} changed since it was learnt" if changed else None
-        if not damage:
+    """The tokenizer learnt into `folder`, refused in one line when its files are not those it was learnt with, or
+    when its record of them (LEARNT_FILES) is gone: a damaged cache would otherwise fail in the tokenizers library,
+    or load as another vocabulary without a word."""
+    damage = learnt_files_damage(folder)
+    if not damage:
+        try:
             return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
-    except (OSError, ValueError) as e:  # a file missing or unreadable; JSON that does not parse
-        damage = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        except (OSError, ValueError) as e:
+            damage = first_line(e)
     raise InputError(f"the tokenizer cached in {folder} is damaged ({damage}); delete that folder, and the next run "
                      "learns one again from the data")
+
+
+def learnt_files_damage(folder: str) -> Optional[str]:
+    """How the files in a learnt tokenizer's folder differ from its record of them (LEARNT_FILES), or None. Without
+    the record nothing can tell its vocabulary from another (ids swapped load as well), so a folder without one,
+    cached before the files were recorded or with the record deleted, is damaged too; so is a file the record does
+    not name, which loading would read all the same."""
+    try:
+        with open(os.path.join(folder, LEARNT_FILES), encoding="utf-8") as f:
+            recorded = json.load(f)
+        if not (isinstance(recorded, dict) and recorded and all(isinstance(v, str) for v in recorded.values())):
+            return f"{LEARNT_FILES} is not the record of its files"
+        changed = [name for name, digest in recorded.items() if sha256(os.path.join(folder, name)) != digest]
+    except FileNotFoundError as e:
+        if os.path.basename(e.filename or "") == LEARNT_FILES:
+            return f"{LEARNT_FILES}, the record of its files, is missing"
+        return first_line(e)
+    except (OSError, ValueError) as e:  # a file unreadable; JSON that does not parse
+        return first_line(e)
+    unrecorded = sorted(set(os.listdir(folder)) - set(recorded) - {LEARNT_FILES})
+    problems = [f"{', '.join(changed)} changed since it was learnt"] if changed else []
+    if unrecorded:
+        problems.append(f"{', '.join(unrecorded)} not among the files it was learnt with")
+    return "; ".join(problems) or None
+
+
+def first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def load_saved_tokenizer(folder: str, max_length: int):
+    """A scratch model's tokenizer as train.py saves it in a checkpoint, loaded as a learnt one is (the caller has
+    checked its files against the checkpoint's record)."""
+    try:
+        return BertTokenizerFast.from_pretrained(folder, model_max_length=max_length)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load the tokenizer saved in {folder}: {first_line(e)}") from None
 
 
 def train_tokenizer(texts, folder: str) -> None:

@@ -15,6 +15,7 @@ class Regression(Task):
     picture = "predicted_vs_true.png"
     output = "score"  # the name of the model's one output (its id2label) and of predict's column
     bins = 10  # the most quantile bins of the target that stratify the held-out split
+    exact_labels = False  # a number, which a float holds as closely as a reader can
 
     def label(self, cell, row: str) -> Optional[float]:
         """A finite number."""
@@ -27,10 +28,18 @@ class Regression(Task):
         if isinstance(cell, bool) or not math.isfinite(value):
             raise InputError(f"{row}: label {cell!r} in column '{self.label_column}' is not a finite number, which "
                              "--task regression needs")
+        if abs(value) > FLOAT32_MAX:
+            raise InputError(f"{row}: label {cell!r} in column '{self.label_column}' is beyond the range of float32 "
+                             f"(±{FLOAT32_MAX:.4g}), in which --task regression trains, and would be infinite there; "
+                             "scale the labels (e.g. divide them by a power of ten, or take their logarithm)")
         return value
 
     def label_names(self, labels: list, path: str) -> list[str]:
         return [self.output]
+
+    def labels_scale(self, labels) -> Optional[float]:
+        """The largest magnitude of the numbers: the loss is their squared error from outputs that start near 0."""
+        return max((abs(float(label)) for label in labels if label is not None), default=None)
 
     def encode_labels(self, labels: list, names: list[str], path: str):
         """The numbers, as floats."""
@@ -78,6 +87,10 @@ class Regression(Task):
         from sklearn.linear_model import Ridge
 
         return Ridge(), "ridge regression"
+
+
+# The largest float32, the type labels are trained in: a larger label would be infinite there.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def correlation(function, predictions, references) -> Optional[float]:

@@ -7,7 +7,7 @@ shares and the registry of kinds, KINDS, which the command lines read; nothing h
 import importlib
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Iterable, Optional
 
 from textclf.errors import InputError
 
@@ -32,6 +32,7 @@ class Task:
     problem_type: ClassVar[str]  # transformers' name: picks the model's loss and the pipeline's function
     scores: ClassVar[list[tuple[str, str, bool]]]  # key (logged as eval_<key>), title, whether higher is better
     fewest_labels: ClassVar[int] = 1  # the smallest head (for the check, which reads no data)
+    exact_labels: ClassVar[bool] = True  # a label is a name or an integer, which a rounded float is not
     picture: ClassVar[Optional[str]] = None  # the file report draws (report.DRAWINGS)
 
     def __post_init__(self):
@@ -59,6 +60,8 @@ class Task:
         """The label column's cells as this kind reads them (`label`); `rows`: their row numbers in the file, for
         the errors."""
         rows = rows or list(range(1, len(cells) + 1))
+        if self.exact_labels:
+            self.refuse_rounded(cells, rows, path)
         parsed, not_a_number = [], {}
         for row, cell in zip(rows, cells):
             if isinstance(cell, str):
@@ -75,12 +78,31 @@ class Task:
         self.check_labels(parsed, rows, path)
         return parsed
 
+    def refuse_rounded(self, cells: list, rows: list[int], path: str) -> None:
+        """Refuse integers read as the nearest float, which may not be the integer written: a reader holds one past
+        64 bits (a column of them, even) as a float, and from 2**53 on a float is a rounded integer."""
+        rounded = {row: values for row, cell in zip(rows, cells)
+                   if (values := [value for value in (cell if isinstance(cell, list) else [cell])
+                                  if is_rounded(value)])}
+        if rounded:
+            read_as = ", ".join(dict.fromkeys(f"{value:.17g}" for values in rounded.values() for value in values))
+            raise InputError(f"{path}: {count_rows(list(rounded))} a label in column '{self.label_column}' that is "
+                             f"an integer too large to read exactly (read as the float {read_as}, which rounds "
+                             "integers past 2**53); correct those rows, or write the labels as names that are not "
+                             "numbers (e.g. c99999999999999999999)")
+
     def check_labels(self, labels: list, rows: list[int], path: str) -> None:
         """What the column as a whole must satisfy."""
         missing = [row for row, label in zip(rows, labels) if label is None]
         if missing:
             raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
                              "fill them in or remove those rows")
+
+    def labels_scale(self, labels: Iterable) -> Optional[float]:
+        """The largest magnitude of `labels` (cells as a file of the task's examples holds them) where it bears on
+        training, a number per example's; None for classes, whose labels are names. Lazy: `labels` is read only
+        where it bears."""
+        return None
 
     def check_known(self, seen: set, names: list[str], path: str) -> dict[str, int]:
         """Each label name's id, once every name seen is one the training data has."""
@@ -176,6 +198,11 @@ def is_number(label) -> bool:
         except ValueError:
             return False
     return isinstance(label, (str, int))
+
+
+def is_rounded(value) -> bool:
+    """Whether a label is a float that holds an integer too large for a float to hold exactly."""
+    return isinstance(value, float) and value.is_integer() and abs(value) >= 2 ** 53
 
 
 def format_score(value: Optional[float]) -> str:
