@@ -6,8 +6,8 @@
     python train.py --help                             # every option (textclf/config.py)
 
 Outputs in --output_dir: run.json, log.jsonl, step_<N>/ checkpoints, model/ (the exported model). The run reads top
-to bottom on the Accelerate calls it is built on; what the template guarantees around them (one-line errors,
-checkpoints complete or absent and verified before they load, an exact resume) lives in textclf/, a folder a concept.
+to bottom on the Accelerate calls it is built on; the template's guarantees (one-line errors, checkpoints complete
+or absent and verified before they load, an exact resume) wrap those calls rather than hide them.
 """
 
 import sys
@@ -181,12 +181,12 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
 
     def save(step: int, epoch: int, batch_in_epoch: int, metrics: dict, window: loop.Window, best) -> str:
         """A checkpoint: what `accelerator.save_state` writes, sealed by position.json, which records this."""
-        position = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,  # where the loop is
+        recorded = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,  # where the loop is
                     **made_of,
                     "metrics": metrics, "best": best,  # the last evaluation, and the best so far
                     "loss_window": gather_object([window.state()]),  # each rank's, since the last log line
                     "config": cfg.to_dict() | start.asked_split}  # what a resume trains with
-        with checkpointing.sealed_checkpoint(accelerator, cfg.output_dir, position) as folder:
+        with checkpointing.sealed_checkpoint(accelerator, cfg.output_dir, recorded) as folder:
             accelerator.save_state(folder)
             if accelerator.is_main_process:  # what export needs besides the weights: the config (id2label), tokenizer
                 accelerator.unwrap_model(model).config.save_pretrained(folder)
@@ -198,7 +198,7 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
 
     # A diverged run's line names the labels' scale where it is the likely cause (a regression's huge labels).
     watch = loop.DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm),
-                                 output_dir=cfg.output_dir, labels_scale=task.labels_scale(job.train_set["labels"]))
+                                 output_dir=cfg.output_dir, labels_scale=task.labels_scale(job.train_set))
     outcome = fit(cfg, accelerator, Prepared(model, optimizer, scheduler, train_loader, eval_loader), task, schedule,
                   position, save, watch)
     if outcome.stopped:  # by a signal, after its checkpoint
@@ -340,8 +340,6 @@ def log(accelerator: Accelerator, window: loop.Window, step: int, epoch: float, 
     if stop_requested:
         accelerator.set_trigger()
     return accelerator.check_trigger()
-
-
 
 
 if __name__ == "__main__":

@@ -65,6 +65,21 @@ def test_a_valid_cache_is_read_as_it_is(examples, capsys):
     assert json.loads(Path(f"{file}{CHECKSUM_SUFFIX}").read_text())["size"] == file.stat().st_size
 
 
+def test_the_same_tokenizer_loaded_from_another_folder_reads_the_same_cache(examples, tmp_path, capsys):
+    """A resume loads the tokenizer it trained with from its checkpoint, not from the folder the first run learnt it
+    in: the cache is named by what the tokenizer does, so the resume reads the run's tokenized examples."""
+    import shutil
+
+    from transformers import BertTokenizerFast
+
+    train, tokenizer = examples
+    first = tokenize(train, tokenizer, 32)
+    shutil.copytree(tmp_path / "tok", tmp_path / "step_5" / "tokenizer")
+    saved = BertTokenizerFast.from_pretrained(tmp_path / "step_5" / "tokenizer")
+    again = tokenize(train, saved, 32, show_progress=True)
+    assert again.cache_files == first.cache_files and "tokenized before, from the cache" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("damage, said", [
     (flip_a_token_id, r"is damaged \(cache-\w+\.arrow: its sha256 is not the one recorded when it was written\)"),
     (truncate, r"is damaged \(cache-\w+\.arrow: [\d,]+ bytes where [\d,]+ were written\)"),

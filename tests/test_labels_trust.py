@@ -134,7 +134,7 @@ def test_the_watch_names_the_scale_the_task_gives_the_training_labels(tmp_path, 
     """train.py gives the watch `task.labels_scale` of the training labels."""
     from textclf.tasks import Task
 
-    scale = Task.of(task, "review", "rating").labels_scale(labels)
+    scale = Task.of(task, "review", "rating").labels_scale({"labels": labels})
     watch = DivergenceWatch(Accelerator(cpu=True), 5e-5, clipping=True, output_dir=str(tmp_path), labels_scale=scale)
     watch.add(1, torch.tensor(math.inf), torch.tensor(math.inf))
     with pytest.raises(InputError, match="^training diverged at step 1: its loss and gradient norm are not finite") \

@@ -62,6 +62,7 @@ if __name__ == "__main__":
     PARSED = run_command(lambda: parse_args(sys.argv[1:]))
 
 import torch
+from accelerate.utils import patch_environment
 
 from textclf.checkpointing import check_against, plan_start, read_verified_position
 from textclf.data import sample_key
@@ -215,7 +216,7 @@ def read_deepspeed(launch: dict, conflicts: list[str]) -> tuple[Optional[dict], 
     """The DeepSpeed config train.py will run with, as accelerate's DeepSpeedPlugin builds it from the
     launch's environment: the json the yaml names, or the yaml's own deepspeed_config keys with
     accelerate's defaults. None when it cannot be built (a conflict says why)."""
-    from accelerate.utils import DeepSpeedPlugin, patch_environment
+    from accelerate.utils import DeepSpeedPlugin
 
     path = launch["deepspeed_config_file"]
     place = path or f"{launch['path']} deepspeed_config"
@@ -415,8 +416,6 @@ def planned_resume(cfg: TrainConfig, training_args: list[str], launch: dict,
     global batch) and the report's line for it (None without a checkpoint, or with a conflict). Planned by
     train.py's own plan_start in the environment this launch gives its ranks: each refusal train.py would raise
     before torch loads is a conflict, all of them in one check."""
-    from accelerate.utils import patch_environment
-
     refusals = []
     with patch_environment(**launch["environment"], WORLD_SIZE=launch["num_processes"]):
         cfg, start = plan_start(cfg, training_args, refusals)
@@ -432,6 +431,8 @@ def planned_resume(cfg: TrainConfig, training_args: list[str], launch: dict,
 
 def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """(report lines, warnings, conflicts) for one launch."""
+    if not cfg.resume:
+        require_data(cfg.data, cfg.eval_data)  # as train.py: a data file that is not there is an error, not a warning
     launch = read_launch(args)
     conflicts, warnings = [], []
     kind, world, machines = launch["distributed_type"], launch["num_processes"], launch["num_machines"]
@@ -439,7 +440,10 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
     resume_line = None
     if cfg.resume:
         cfg, resume_line = planned_resume(cfg, args.training_args, launch, conflicts)
-    require_data(cfg.data, cfg.eval_data)  # as train.py: a data file that is not there is an error, not a warning
+        try:  # the data the resumed run reads (its checkpoint's), said beside the resume's other conflicts
+            require_data(cfg.data, cfg.eval_data)
+        except InputError as e:
+            conflicts.append(str(e))
     precision, source = launch["mixed_precision"], launch["precision_source"]
 
     stage, offload, ds_place, zero = 0, {}, None, {}

@@ -123,6 +123,8 @@ class RecipeLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         first_line = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: its keys may be given again
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in first_line:
                 raise yaml.constructor.ConstructorError(

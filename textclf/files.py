@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from textclf.errors import write_failed
@@ -89,6 +90,9 @@ def real_folders(top: str, below: str) -> str:
     for name in os.path.normpath(below).split(os.sep):
         path = os.path.join(path, name)
         if os.path.islink(path):
+            # Said, not silent: a user may have linked it to a larger disk on purpose.
+            print(f"warning: {path} was a symbolic link (to {os.readlink(path)}); removed, never written through: "
+                  f"a run writes inside its output folder", file=sys.stderr)
             remove(path)
         if not os.path.lexists(path):
             os.mkdir(path)
@@ -153,7 +157,7 @@ def umask() -> int:
 
 def write_json(path: str, obj, advice: str = "free space or make the folder writable, then run again") -> None:
     """Write through a temporary file and a rename, so readers never see half a file (and never through a
-    symbolic link: textclf/py)."""
+    symbolic link)."""
     with replacing(path, encoding="utf-8", advice=advice) as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
 

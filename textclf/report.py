@@ -234,7 +234,6 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     accelerator.end_training()
 
 
-
 # The baseline: a TF-IDF of character 1-3-grams (sublinear term frequency) and the task's linear model
 # (Task.baseline), fitted on the examples the model was trained on, in seconds on a CPU. Character n-grams need no word
 # segmentation (Chinese has no spaces); for pairs, each text is a vector of its own, and their elementwise product adds

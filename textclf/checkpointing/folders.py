@@ -83,7 +83,7 @@ def named_checkpoint(resume: str, output_dir: str, overwrite: bool, existing: li
 
 class LaterCheckpoints(InputError):
     """named_checkpoint's refusal of a checkpoint that later ones follow, which still names the checkpoint: the plan
-    of its resume goes on (resume.plan_start), to name its other refusals in the same launch."""
+    of its resume goes on (plan_start), to name its other refusals in the same launch."""
 
     def __init__(self, message: str, checkpoint: str):
         super().__init__(message)

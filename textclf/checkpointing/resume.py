@@ -90,7 +90,7 @@ def plan_start(cfg: TrainConfig, argv: Optional[list[str]] = None,
     return cfg, start
 
 
-# What a run stores of its loss window, per rank (tracking.Window.state).
+# What a run stores of its loss window, per rank (the loss Window's state).
 WINDOW_KEYS = {"loss_sum": (int, float), "losses": (int,), "samples": (int,), "real_tokens": (int,),
                "padded_tokens": (int,)}
 
@@ -338,7 +338,7 @@ RESUME_TABLE = {
     "zero_stage": OnResume(MATCH, "DeepSpeed ZeRO stage", LAUNCH),
     "mixed_precision": OnResume(MATCH, "precision (mixed_precision)", LAUNCH),
     "world_size": OnResume(RESHARD, "processes", LAUNCH),
-    # How a launch splits the global batch: the data order depends on neither (data.EpochLengthGroupedSampler).
+    # How a launch splits the global batch: the data order depends on neither (EpochLengthGroupedSampler).
     "per_device_train_batch_size": OnResume(RESCALE, "micro-batch", LAUNCH),
     "gradient_accumulation_steps": OnResume(RESCALE, "gradient accumulation", LAUNCH),
     "global_batch_size": OnResume(MATCH, "global batch (micro-batch x processes x accumulation)", BUILT),

@@ -39,7 +39,7 @@ def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],
     if scored:
         kept.add(max(scored)[2])  # ties go to the newer checkpoint
     if protect:
-        kept |= {path for _, path in found if os.path.abspath(path) == os.path.abspath(protect)}
+        kept |= {path for _, path in found if os.path.realpath(path) == os.path.realpath(protect)}  # links too
     removed = [path for _, path in found if path not in kept]
     for path in removed:
         delete_folder(path)

@@ -23,8 +23,6 @@ from .folders import UNIVERSAL
 DEEPSPEED_TAG = "pytorch_model"  # the folder accelerate's save_state has DeepSpeed write its states into
 
 
-
-
 def universal_copy(accelerator: Accelerator, checkpoint: str, output_dir: str) -> str:
     """Collective: a folder that `accelerator.load_state` reads as `checkpoint`, with DeepSpeed's states
     converted to its universal checkpoint (deepspeed.checkpoint.ds_to_universal: one file per parameter and

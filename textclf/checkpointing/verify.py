@@ -54,7 +54,7 @@ def read_verified_position(checkpoint: str) -> dict:
     so)."""
     position = read_position(checkpoint)
     if "sha256" not in position:
-        why = not_an_older_record(position)
+        why = why_not_older(position)
         if why:
             raise InputError(f"cannot load checkpoint {checkpoint}: its {POSITION} has no sha256 of its own, yet no "
                              f"older textclf wrote it ({why}): its sha256 was deleted, and none of its fields can be "
@@ -70,7 +70,7 @@ def read_verified_position(checkpoint: str) -> dict:
 OLDER_HASHED_UP_TO = 16 * 2 ** 20
 
 
-def not_an_older_record(position: dict) -> Optional[str]:
+def why_not_older(position: dict) -> Optional[str]:
     """What, in a position.json without a sha256 of its own, no older textclf wrote; None if an older one could have.
 
     The missing sha256 cannot tell an older position from an edited one, as deleting it is part of the edit; nor
@@ -126,7 +126,7 @@ def recorded_file_problems(checkpoint: str, position: dict, names: Optional[Iter
     if names is not None:
         files = {name: files[name] for name in names}
     # Before position.json had a sha256 of its own, files above 16 MiB were recorded by size alone.
-    older = "sha256" not in position and not_an_older_record(position) is None
+    older = "sha256" not in position and why_not_older(position) is None
     problems, to_hash = [], []
     for name, recorded in files.items():
         path = os.path.join(checkpoint, name)

@@ -55,8 +55,6 @@ def complete(folder: str, position: dict,
     write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}), advice)
 
 
-
-
 @contextmanager
 def sealed_checkpoint(accelerator: Accelerator, output_dir: str, position: dict):
     """Collective: yields the temporary folder that `accelerator.save_state` (and whatever else the checkpoint holds)

@@ -52,7 +52,6 @@ def load_table(path: str, delimiter: Optional[str] = None, encoding: Optional[st
         try:
             table = read_file(path, builder, delimiter, encoding)
         except PARSER_ERRORS as error:  # diagnose the file itself: its encoding, else where it breaks
-
             table = read_again_or_refuse(path, builder, delimiter, encoding, error)
     if len(table) == 0:
         raise InputError(empty(path))

@@ -3,13 +3,15 @@ recorded when the cache was written, the sample of texts a scratch tokenizer is 
 of a launch say while the local main process does it.
 """
 
+import contextlib
+import fcntl
 import glob
 import json
 import os
 import random
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import datasets
@@ -74,24 +76,26 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
 
     start, started = time.perf_counter(), time.time()
     table = table.with_format("arrow")
-    cache = cache_file(table, encode)
+    cache = cache_file(table, encode.__code__.co_code, tokenizer, max_length, types, pairs)
     # Under a launch the local main process tokenizes before the others: it alone checks the cache and rebuilds
-    # what is damaged, so that the others read what it checked and no two rebuild the same file at once.
+    # what is damaged, so that the others read what it checked. Another run on the same data (a sweep, another
+    # node on shared storage) waits for it: a file it is writing has no record yet, and is not damaged.
     checking = cache is not None and PartialState().is_local_main_process
-    trusted = drop_damaged(cache) if checking else set()
-    named = {} if cache is None else {"cache_file_name": cache, "new_fingerprint": cache_key(cache)}
-    bar = show_progress and PartialState().is_main_process and not datasets.is_progress_bar_enabled()
-    if bar:
-        datasets.enable_progress_bars()
-    try:
-        tokenized = table.map(encode, batched=True, num_proc=num_proc, desc=f"data: tokenizing {len(table):,} examples",
-                              **named).with_format(None)
-    finally:
+    with one_run_at_a_time(cache) if checking else nullcontext():
+        trusted = drop_damaged(cache) if checking else set()
+        named = {} if cache is None else {"cache_file_name": cache, "new_fingerprint": cache_key(cache)}
+        bar = show_progress and PartialState().is_main_process and not datasets.is_progress_bar_enabled()
         if bar:
-            datasets.disable_progress_bars()
-    cached = [file["filename"] for file in tokenized.cache_files]
-    if checking:
-        record_checksums([file for file in files_of(cache) if file in cached and file not in trusted])
+            datasets.enable_progress_bars()
+        try:
+            tokenized = table.map(encode, batched=True, num_proc=num_proc,
+                                  desc=f"data: tokenizing {len(table):,} examples", **named).with_format(None)
+        finally:
+            if bar:
+                datasets.disable_progress_bars()
+        cached = [file["filename"] for file in tokenized.cache_files]
+        if checking:
+            record_checksums([file for file in files_of(cache) if file in cached and file not in trusted])
     if show_progress and cached and all(os.path.getmtime(file) < started for file in cached):
         say(f"data: {len(table):,} examples tokenized before, from the cache ({os.path.dirname(cached[0])})")
     elif show_progress:
@@ -104,18 +108,30 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
 CHECKSUM_SUFFIX = ".sha256.json"
 
 
-def cache_file(table: Dataset, encode) -> Optional[str]:
-    """The file `datasets` caches `table` mapped by `encode` in, named by both, beside the table's own cache files
-    (with several tokenizing processes, one file per process: its name plus a suffix); None where nothing is cached
-    for a later run: a table in memory, caching turned off, or a tokenizer that does not pickle (`datasets` then
-    names its cache at random)."""
+def cache_file(table: Dataset, code: bytes, tokenizer: PreTrainedTokenizerBase, *options) -> Optional[str]:
+    """The file `datasets` caches `table` tokenized in, beside the table's own cache files (with several tokenizing
+    processes, one file per process: its name plus a suffix), named by what decides its content: the table, the
+    tokenizing function's `code` and `options`, and what the tokenizer does, not where it was loaded from (a resume
+    loads the same tokenizer from its checkpoint). None where nothing is cached for a later run: a table in memory,
+    or caching turned off."""
     if not (table.cache_files and datasets.is_caching_enabled()):
         return None
-    try:
-        key = Hasher.hash([table._fingerprint, encode])
-    except Exception:  # whatever pickling a tokenizer raises: `datasets` catches it all too
-        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer, the whole of it as JSON
+    does = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
+    key = Hasher.hash([table._fingerprint, code, does, tokenizer.all_special_tokens, *options])
     return os.path.join(os.path.dirname(table.cache_files[0]["filename"]), f"cache-{key}.arrow")
+
+
+@contextmanager
+def one_run_at_a_time(cache: str):
+    """An OS lock beside `cache` while this run checks, writes and records it; none where the folder or its file
+    system takes none (two runs tokenizing one data set at once may then rebuild each other's cache)."""
+    with contextlib.ExitStack() as held:
+        try:
+            fcntl.flock(held.enter_context(files.open_lock(cache + ".lock")), fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
 
 def cache_key(cache: str) -> str:

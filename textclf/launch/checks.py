@@ -20,7 +20,7 @@ def check_command_line(cfg) -> None:
 
 
 def check_launch_early(cfg) -> None:
-    """Once resume.plan_resume has given `cfg` (a resumed run's batch split included): float16 weights under fp16's
+    """Once plan_start has given `cfg` (a resumed run's batch split included): float16 weights under fp16's
     loss scaler, a DeepSpeed JSON hard-coding what the training config owns; then, with torch loaded but not yet
     transformers or the data, what this machine lacks: a CUDA GPU for a GPU file, fp16 or FSDP, a tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
@@ -38,7 +38,8 @@ def check_launch_early(cfg) -> None:
 def refuse_without_cuda(precision: str, launch_line: Optional[list[str]] = None) -> None:
     """On a machine without CUDA: what of this launch runs only on CUDA GPUs (cuda_only), refused before any
     process trains. `launch_line`: the `accelerate launch` line (by default the parent process's), for its GPUs."""
-    where, gpu_ids = launched_on_gpus(launch_line) or (None, None)
+    by_accelerate = launch_line is not None or launch_environment().by_accelerate_launch  # else no line to read
+    where, gpu_ids = (launched_on_gpus(launch_line) if by_accelerate else None) or (None, None)
     needs = cuda_only("FSDP" if launch_environment().fsdp else None, precision, gpu_ids)
     if needs:
         raise InputError("\n".join(f"{where + ': ' if gpu_ids else ''}{need}, and this machine has none: {fix}"
@@ -47,14 +48,15 @@ def refuse_without_cuda(precision: str, launch_line: Optional[list[str]] = None)
 
 # Where a launch refused for its GPUs goes instead: the zoo's files that run on a CPU.
 CPU_FILES_INSTEAD = ("launch with a file of the zoo that runs on a CPU: accelerate_configs/cpu.yaml (DDP over gloo), "
-             "zero2.yaml or zero3.yaml (ZeRO; zero3 shards as FSDP does), or take gpu_ids out of a yaml of your own")
+                     "zero2.yaml or zero3.yaml (ZeRO; zero3 shards as FSDP does), or take gpu_ids out of a yaml of "
+                     "your own")
 
 
 def cuda_only(distributed_type: Optional[str], precision: str,
               gpu_ids: Optional[str] = None) -> list[tuple[str, str]]:
     """(what needs CUDA, what to do instead) for each part of a launch that runs only on CUDA GPUs, which train.py
     refuses and the check calls a conflict without CUDA: neither would fail, just silently run something else.
-    `gpu_ids`: the GPUs the launch names (launch_line.gpus_named), which make it a GPU file of the zoo or one like
+    `gpu_ids`: the GPUs the launch names (gpus_named), which make it a GPU file of the zoo or one like
     them: then one pair, naming all it needs, and the CPU files to launch with instead."""
     needs = []
     if precision == "fp16":
@@ -73,7 +75,7 @@ def cuda_only(distributed_type: Optional[str], precision: str,
 
 def refuse_float16_weights(cfg, weights_dtype: str) -> None:
     """float16_weights_conflict for this launch: `weights_dtype` is --torch_dtype, or with `auto` the checkpoint's
-    (job.build_job, once its config is read)."""
+    (build_job, once its config is read)."""
     launch = this_launch(cfg.mixed_precision)
     sharded = "DEEPSPEED" if launch["zero_stage"] is not None else "FSDP" if launch_environment().fsdp else None
     if conflict := float16_weights_conflict(launch["mixed_precision"], sharded, weights_dtype, cfg.torch_dtype):

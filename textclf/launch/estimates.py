@@ -4,7 +4,6 @@ against it.
 """
 
 
-
 # Bytes per parameter for weights, gradients and Adam's states (ZeRO paper, Rajbhandari et al. 2020,
 # section 3.1): 16-bit weights and gradients with fp32 master weights, momentum and variance; or all fp32.
 # Beside the paper, weights loaded in 16 bits (--torch_dtype) and trained by torch's AdamW, whose states

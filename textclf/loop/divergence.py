@@ -87,7 +87,7 @@ def all_finite(model, device) -> torch.Tensor:
 
 def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool, before_any_update: bool = False,
              labels_scale: Optional[float] = None) -> InputError:
-    """divergence.DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
+    """DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
     the remedy is a new run. `labels_scale`: the largest magnitude of the labels, where the task says it bears
     (a regression's); `before_any_update`: what diverged came from the initial weights (step 1's loss or gradient)."""
 

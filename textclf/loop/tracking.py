@@ -181,8 +181,6 @@ GROUPED = {"tensorboard", "wandb", "trackio", "comet_ml", "swanlab"}
 TRAINER_NAMES = {"lr": "learning_rate"}
 
 
-
-
 def named_trackers(report_to: list[str], output_dir: str, project_name=None, run_name=None) -> list:
     """The trackers named (every one installed for 'all'), for log_with.
 

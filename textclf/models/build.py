@@ -46,7 +46,6 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
     scratch model (scratch_config)."""
     if scratch_size(model):
         return None
-
     return read_config(model, max_length, trust_remote_code)
 
 
@@ -251,7 +250,8 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 def in_units(count: int) -> str:
     """A count of parameters in the unit that fits it, to three digits: 38,144 as 38.1k, 5,410,000 as 5.41M."""
+    rounded = float(f"{count:.3g}")  # 999,600 is 1.00M, not 1e+03k
     for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if count >= size:
-            return f"{count / size:.3g}{unit}"
+        if rounded >= size:
+            return f"{rounded / size:.3g}{unit}"
     return str(count)

@@ -1,5 +1,5 @@
-"""The offline default: a small BERT built from a config (scratch-tiny, -small, -base), and its tokenizer, learnt from
-the training texts and cached by what it was learnt from.
+"""The offline default: a small BERT built from a config (scratch-tiny, -mini, -small, -medium, -base), and its
+tokenizer, learnt from the training texts and cached by what it was learnt from.
 """
 
 import json

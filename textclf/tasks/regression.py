@@ -37,9 +37,9 @@ class Regression(Task):
     def label_names(self, labels: list, path: str) -> list[str]:
         return [self.output]
 
-    def labels_scale(self, labels) -> Optional[float]:
+    def labels_scale(self, examples) -> Optional[float]:
         """The largest magnitude of the numbers: the loss is their squared error from outputs that start near 0."""
-        return max((abs(float(label)) for label in labels if label is not None), default=None)
+        return max((abs(float(label)) for label in examples["labels"] if label is not None), default=None)
 
     def encode_labels(self, labels: list, names: list[str], path: str):
         """The numbers, as floats."""

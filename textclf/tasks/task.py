@@ -7,7 +7,7 @@ shares and the registry of kinds, KINDS, which the command lines read; nothing h
 import importlib
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Optional
+from typing import ClassVar, Optional
 
 from textclf.errors import InputError
 
@@ -98,10 +98,9 @@ class Task:
             raise InputError(f"{path}: {count_rows(missing)} no value in label column '{self.label_column}'; "
                              "fill them in or remove those rows")
 
-    def labels_scale(self, labels: Iterable) -> Optional[float]:
-        """The largest magnitude of `labels` (cells as a file of the task's examples holds them) where it bears on
-        training, a number per example's; None for classes, whose labels are names. Lazy: `labels` is read only
-        where it bears."""
+    def labels_scale(self, examples) -> Optional[float]:
+        """The largest magnitude of the labels of `examples` (a table with a `labels` column) where it bears on
+        training, a number per example's; None for classes, whose labels are names: their column is not read."""
         return None
 
     def check_known(self, seen: set, names: list[str], path: str) -> dict[str, int]:
