@@ -1,7 +1,7 @@
 """Benchmark: one training job under every strategy this machine can run, each measured the same way.
 
     python -m benchmarks                       # default sizes: under 20 minutes on a 2-core CPU
-    python -m benchmarks --quick               # a smaller job and fewer rows: under 3 minutes
+    python -m benchmarks --quick               # a smaller job and fewer rows
     python -m benchmarks --data my.csv --output_dir bench_out --only single,plain_pytorch
     python -m benchmarks --only single,plain_pytorch --repeats 5   # medians of 5 alternating runs
 
@@ -62,14 +62,14 @@ from .report import write_report
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller job and fewer rows (under 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="a smaller job and fewer rows")
     parser.add_argument("--output_dir", default="bench_out", help="where bench.md, bench.json, bench.png go")
     parser.add_argument("--data", default=DEFAULT_DATA, help="training data with train.py's columns (label, review)")
     parser.add_argument("--only", help="comma-separated row names to run (default: all that run here)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the rows this many rounds, alternating, and show each row's median run")
     parser.add_argument("--steps", type=int, help="optimizer steps of the first job's rows (default: the job's, "
-                                                  "21 with --quick: a warm-up step and 20 measured)")
+                                                  "61 with --quick: a warm-up step and 60 measured)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
