@@ -39,8 +39,7 @@ def open_new(path: str, mode: str = "w", **kwargs):
 @contextlib.contextmanager
 def replacing(path: str, mode: str = "w", *, advice: str, what: str = "write", suffix: str = ".tmp", **kwargs):
     """A new file (open_new) that replaces `path` in one rename when the block ends: readers never see half a
-    file. A failed write is one line (errors.write_failed), and the temporary file is removed."""
-
+    file. A failed write is one line (write_failed), and the temporary file is removed."""
     tmp = f"{path}{suffix}"
     try:
         with open_new(tmp, mode, **kwargs) as f:

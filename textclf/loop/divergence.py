@@ -90,7 +90,6 @@ def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool, 
     """DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
     the remedy is a new run. `labels_scale`: the largest magnitude of the labels, where the task says it bears
     (a regression's); `before_any_update`: what diverged came from the initial weights (step 1's loss or gradient)."""
-
     found = complete_checkpoints(output_dir)
     last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
                  else "no checkpoint was saved before it")
