@@ -179,13 +179,19 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
     accelerator.init_trackers(cfg.project_name, **loop.tracker_config(cfg))
     loop.use_trainer_names(accelerator, cfg.report_to)
 
+    # A diverged run's line names the labels' scale where it is the likely cause (a regression's huge labels).
+    watch = loop.DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm),
+                                 output_dir=cfg.output_dir, labels_scale=task.labels_scale(job.train_set))
+
     def save(step: int, epoch: int, batch_in_epoch: int, metrics: dict, window: loop.Window, best) -> str:
         """A checkpoint: what `accelerator.save_state` writes, sealed by position.json, which records this."""
         recorded = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,  # where the loop is
                     **made_of,
                     "metrics": metrics, "best": best,  # the last evaluation, and the best so far
                     "loss_window": gather_object([window.state()]),  # each rank's, since the last log line
-                    "config": cfg.to_dict() | start.asked_split}  # what a resume trains with
+                    "config": cfg.to_dict() | start.asked_split,  # what a resume trains with
+                    "started_in": start.started_in,  # where the config's relative paths start from
+                    "largest_weight": watch.largest_weight}  # checked before every save: a diverging run's is huge
         with checkpointing.sealed_checkpoint(accelerator, cfg.output_dir, recorded) as folder:
             accelerator.save_state(folder)
             if accelerator.is_main_process:  # what export needs besides the weights: the config (id2label), tokenizer
@@ -196,9 +202,6 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
                                  task.greater_is_better(cfg.metric_for_best_model))
         return checkpointing.checkpoint_folder(cfg.output_dir, step)
 
-    # A diverged run's line names the labels' scale where it is the likely cause (a regression's huge labels).
-    watch = loop.DivergenceWatch(accelerator, cfg.learning_rate, clipping=bool(cfg.max_grad_norm),
-                                 output_dir=cfg.output_dir, labels_scale=task.labels_scale(job.train_set))
     outcome = fit(cfg, accelerator, Prepared(model, optimizer, scheduler, train_loader, eval_loader), task, schedule,
                   position, save, watch)
     if outcome.stopped:  # by a signal, after its checkpoint
@@ -207,10 +210,10 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
     if not metrics:  # resumed from the last checkpoint: nothing left to train
         metrics = evaluate(model, eval_loader, accelerator, task)
     if cfg.load_best_model_at_end and best:  # the best checkpoint's weights, unless they are the last step's
-        folder = checkpointing.verified_best_checkpoint(accelerator, best, cfg.output_dir) if best["step"] != step \
-            else None
-        if folder:
-            accelerator.load_state(folder)
+        folder = None
+        if best["step"] != step:
+            with checkpointing.verified_best_checkpoint(accelerator, best, cfg.output_dir, cfg.allow_pickle) as folder:
+                accelerator.load_state(folder)
         metrics = loop.record_best_model(accelerator, best, folder, cfg.output_dir)
     accelerator.print(f"eval at step {step}: {task.summary(metrics)} on {metrics['eval_samples']} examples")
     model_dir = export_model(accelerator, model, job.tokenizer, os.path.join(cfg.output_dir, "model"),

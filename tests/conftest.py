@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 os.environ.update(OFFLINE)
+# The secret train.py signs its checkpoints with (textclf/checkpointing/secret.py): the suite's own, never the user's.
+SECRET_FILE = Path(tempfile.gettempdir()) / f"textclf-tests-{os.getuid()}" / "checkpoint_secret"
+os.environ["TEXTCLF_SECRET_FILE"] = str(SECRET_FILE)
 # A tiny run: a 0.8M-parameter BERT on short texts, a few optimizer steps.
 TINY = ["--model", "scratch-tiny", "--max_length", "32", "--per_device_train_batch_size", "8",
         "--per_device_eval_batch_size", "16", "--logging_steps", "1", "--report_to", "none"]
@@ -114,6 +118,21 @@ def pytest_sessionfinish(session):
         print(f"\nerror: the tests changed the repository's own {', '.join(USER_PATHS)}: {', '.join(changed)}",
               file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@contextmanager
+def another_user(folder):
+    """This process as another user, who has a secret of their own (textclf/checkpointing/secret.py): what this
+    user's runs signed is from elsewhere to them. Yields the environment that makes a subprocess that user too."""
+    secret = Path(folder) / "another_user_secret"
+    if not secret.exists():
+        secret.write_bytes(os.urandom(32))
+    before = os.environ["TEXTCLF_SECRET_FILE"]
+    os.environ["TEXTCLF_SECRET_FILE"] = str(secret)
+    try:
+        yield {"TEXTCLF_SECRET_FILE": str(secret)}
+    finally:
+        os.environ["TEXTCLF_SECRET_FILE"] = before
 
 
 def free_port() -> int:

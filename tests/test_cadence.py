@@ -49,8 +49,8 @@ def test_the_best_checkpoint_s_weights_go_back_and_its_step_is_recorded(tmp_path
         complete(str(tmp_path / "step_2"), {"step": 2})  # position.json with the files' sha256, as a save writes it
         best = {"step": 2, "value": 0.9, "metrics": {"eval_f1": 0.9, "eval_accuracy": 0.8},
                 "checkpoint": "/where/it/was/saved/step_2", "evaluations_without_improvement": 2}
-        folder = verified_best_checkpoint(accelerator, best, str(tmp_path))
-        accelerator.load_state(folder)
+        with verified_best_checkpoint(accelerator, best, str(tmp_path), allow_pickle=False) as folder:
+            accelerator.load_state(folder)
         assert record_best_model(accelerator, best, folder, str(tmp_path)) == best["metrics"]
         assert all(p.equal(at_step_2[name]) for name, p in model.named_parameters())
         run = json.loads((tmp_path / "run.json").read_text())

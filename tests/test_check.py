@@ -651,8 +651,8 @@ def test_a_resume_by_path_is_checked_in_the_checkpoint_s_folder_as_train_py_resu
 
 
 def test_a_resume_s_refusals_are_all_conflicts_of_one_check(capsys, tmp_path):
-    """What train.py would refuse one launch at a time: checkpoints after the one resumed, DeepSpeed's pickles
-    without --allow_pickle, a launch of another strategy; all named by one check, in train.py's words."""
+    """What train.py would refuse one launch at a time: checkpoints after the one resumed, a changed config field,
+    a launch of another strategy; all named by one check, in train.py's words."""
     run = tmp_path / "run"
     step_10 = made_checkpoint(run, world_size=2, zero_stage=2, step_number=10, per_device_train_batch_size=8,
                               gradient_accumulation_steps=1)
@@ -660,18 +660,18 @@ def test_a_resume_s_refusals_are_all_conflicts_of_one_check(capsys, tmp_path):
                     gradient_accumulation_steps=1)
     later = (f"--resume {step_10}: {run} holds checkpoints after it (step_12), which this run would write over; "
              "pass --overwrite_output_dir to move them aside, or --output_dir <another folder> to keep both runs")
-    pickles = (f"{step_10} was written by DeepSpeed, whose files load only with full pickle, which can run code "
-               "stored in them; pass --allow_pickle if you trust this checkpoint")
+    seed = (f"cannot resume from {step_10}: it was made with seed = 42, this run has 7; a resumed run keeps what "
+            "shapes its training (leave out --seed, or start a new run in another --output_dir)")
     zero2 = ["--config_file", "accelerate_configs/zero2.yaml", "--target", "cpu", "--resume", step_10]
-    status, _, err = run_check(capsys, *zero2)
-    assert status == 1 and conflicts(err) == [f"conflict: {later}", f"conflict: {pickles}"], err
+    status, _, err = run_check(capsys, *zero2, "--seed", 7)
+    assert status == 1 and conflicts(err) == [f"conflict: {later}", f"conflict: {seed}"], err
     status, _, err = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu", "--resume",
-                               step_10)
-    first, launch, last = conflicts(err)
-    assert status == 1 and (first, last) == (f"conflict: {later}", f"conflict: {pickles}")
+                               step_10, "--seed", 7)
+    first, second, launch = conflicts(err)
+    assert status == 1 and (first, second) == (f"conflict: {later}", f"conflict: {seed}")
     assert launch.startswith(f"conflict: cannot resume from {step_10}: it was made by a launch with DeepSpeed ZeRO "
                              "stage 2 (this launch: None)")
-    status, out, err = run_check(capsys, *zero2, "--overwrite_output_dir", "--allow_pickle")
+    status, out, err = run_check(capsys, *zero2, "--overwrite_output_dir")
     assert status == 0, err
     assert report(out)["resume"] == f"{step_10}: the launch that made it, micro-batch 8 and gradient accumulation 1"
 

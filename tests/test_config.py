@@ -176,3 +176,20 @@ def test_help_groups_the_options_and_lists_the_recipe(help_text):
     assert section_of["--lora_r"] == "LoRA" and section_of["--early_stopping_patience"] == "evaluation and checkpoints"
     assert section_of["--report_to"] == "logging"
     assert set(section_of) >= {f"--{name}" for name in field_names()}
+
+
+def test_resume_given_twice_is_one_line_not_the_last_one_silently():
+    with pytest.raises(InputError, match=r"^--resume is given 2 times \(out/step_2, latest\); give it once$"):
+        parse_config(["--resume", "out/step_2", "--max_steps", "9", "--resume=latest"])
+    assert parse_config(["--resume", "latest"]).resume == "latest"
+
+
+def test_an_output_dir_that_is_a_file_says_so_before_torch(tmp_path):
+    (tmp_path / "run").write_text("")
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--output_dir", str(tmp_path / "run")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and said == [f"error: --output_dir {tmp_path / 'run'} is a file, not a folder; "
+                                               "choose another --output_dir (or move that file away)"], said
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert "torch" not in imported

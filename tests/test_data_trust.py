@@ -1,6 +1,7 @@
-"""The tokenized examples' cache is trusted only as written (textclf/data/tokenized.py): a cache file whose bytes or
-size differ from the checksum recorded beside it, or that has no record, is removed and the examples are tokenized
-again, in one line; a valid cache is read as it is."""
+"""The caches `datasets` writes of the data (the table read, its columns chosen, the tokenized examples) are trusted
+only as written (textclf/data/checksums.py): a cache file whose bytes or size differ from the checksum recorded
+beside it, or that has no record, is removed and made again from the data, in one line; a valid cache is read as it
+is."""
 
 import json
 import re
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import TINY, read_csv, train_forked, write_csv
 from textclf.data import load_splits, tokenize
-from textclf.data.tokenized import CHECKSUM_SUFFIX
+from textclf.data.checksums import CHECKSUM_SUFFIX
 from textclf.tasks import Task
 
 REBUILT = "data: the cache of tokenized examples in "
@@ -133,3 +134,28 @@ def test_under_two_processes_only_the_local_main_process_tokenizes_a_damaged_cac
     again = train_forked([*args, "--output_dir", tmp_path / "again"])
     assert again.stdout.count(REBUILT) == 2, again.stdout
     assert {file: file.read_bytes() for file in files} == written
+
+
+@pytest.mark.parametrize("cached", ["the table read from", "the texts and labels of"])
+def test_a_changed_character_in_the_prepared_table_s_cache_is_read_again_never_trained_on(
+        cached, tmp_path, reviews_csv, monkeypatch, capsys):
+    """What `datasets` caches of a data file before tokenizing (the table it read, then its columns chosen): one
+    character changed in a cache file (好 to 坏, as many bytes) used to be read as the data, a new fingerprint and a new
+    tokenizer and nothing said. Checked like the tokenized cache: it is read again from the file, in one line."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    task = Task.of("single_label", "review", "label")
+    first, _, _ = load_splits(str(reviews_csv), None, task, 0.1, 0)
+    first = (list(first["text"]), list(first["labels"]))  # read now: the table maps the files changed below
+    built = sorted(path for path in (tmp_path / "datasets").rglob("*.arrow")
+                   if Path(f"{path}{CHECKSUM_SUFFIX}").exists())
+    file = next(path for path in built if (path.name.startswith("csv-") == (cached == "the table read from")))
+    data = file.read_bytes()
+    assert "好".encode() in data
+    file.write_bytes(data.replace("好".encode(), "坏".encode(), 1))
+    capsys.readouterr()
+    again, _, _ = load_splits(str(reviews_csv), None, task, 0.1, 0)
+    said = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert said == [f"data: the cache of {cached} {reviews_csv} in {file.parent} is damaged ({file.name}: its sha256 "
+                    "is not the one recorded when it was written); reading it again"]
+    assert (list(again["text"]), list(again["labels"])) == first
+    assert file.read_bytes() == data  # made again as it was first written

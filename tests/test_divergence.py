@@ -140,3 +140,33 @@ def test_a_diverged_run_stops_before_it_saves_and_keeps_the_last_good_checkpoint
     weights = load_file(out / "step_1" / "model.safetensors")
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
     assert json.loads((out / "step_1" / "position.json").read_text())["step"] == 1
+
+
+def test_log_jsonl_stays_strict_json_when_a_loss_is_not_finite(tmp_path):
+    from textclf.loop.tracking import JsonLinesTracker
+
+    tracker = JsonLinesTracker(str(tmp_path))
+    tracker.log({"loss": float("nan"), "grad_norm": float("inf"), "lr": -math.inf, "epoch": 0.5}, step=3)
+
+    def refuse(constant):
+        raise AssertionError(f"a bare {constant} in log.jsonl")
+
+    row = json.loads((tmp_path / "log.jsonl").read_text(), parse_constant=refuse)
+    assert (row["loss"], row["grad_norm"], row["lr"], row["epoch"]) == ("NaN", "Infinity", "-Infinity", 0.5)
+    assert math.isnan(float(row["loss"]))  # what float() reads back
+
+
+def test_a_diverged_run_names_the_last_checkpoint_whose_weights_were_still_sane(tmp_path):
+    """With --learning_rate 1e30 a checkpoint can hold finite weights of 1e30 before the loss turns NaN: the line
+    names it for what it is, and the newest checkpoint before it as the last good one."""
+    from textclf.loop.divergence import last_checkpoint
+
+    for step, largest in ((1, 1.0), (2, 1e30), (3, 4e31)):
+        complete_folder = tmp_path / f"step_{step}"
+        complete_folder.mkdir()
+        (complete_folder / "position.json").write_text(json.dumps({"step": step, "largest_weight": largest}))
+    assert last_checkpoint(str(tmp_path)) == (f"the last good checkpoint is {tmp_path / 'step_1'} (resumed, it "
+                                              "repeats these steps); step_2, step_3 already hold weights of up to "
+                                              "4e+31 in magnitude: the run was diverging there")
+    (tmp_path / "step_1" / "position.json").unlink()
+    assert last_checkpoint(str(tmp_path)).startswith("no good checkpoint was saved before it; step_2, step_3")

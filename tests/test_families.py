@@ -230,7 +230,7 @@ def test_a_decoder_resumes_exactly_under_zero3(family_run, family_model, reviews
     full = family_run("llama", "zero3")
     resumed = tmp_path / "resumed"
     train_forked([*family_args(family_model("llama"), reviews_csv, cache_dir), "--output_dir", resumed,
-                  "--resume", full / "step_2", "--allow_pickle"], config_file=ZOO / "zero3.yaml")
+                  "--resume", full / "step_2"], config_file=ZOO / "zero3.yaml")
     assert_same_run(full, resumed, 2)
 
 

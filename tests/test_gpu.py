@@ -11,7 +11,7 @@ wrapping and its sharded checkpoints, DeepSpeed's ZeRO optimizer, offload and ch
 Each test mirrors CPU tests, read line by line (docs/gpu.md has the table, with what differs):
 - test_the_file_runs_its_strategy_on_the_gpu: test_zoo's strategy tests; test_train's said-so and log tests
 - test_resume_on_the_gpu_reproduces_the_uninterrupted_run: test_resume's one-process and DeepSpeed resumes
-- test_fsdp_resume_needs_allow_pickle: test_resume's DeepSpeed resume (its refusal half)
+- test_an_fsdp_checkpoint_from_elsewhere_needs_allow_pickle: test_resume's FSDP refusal, on a real checkpoint
 - test_checkpoint_export_meets_the_runs_own_export: test_export's checkpoint export and FSDP layouts
 - test_export_serves_a_pipeline_on_the_gpu: test_export's pipeline test; test_zoo's exported model loads
 - test_precision_is_what_the_launch_asked_for: test_zoo's bf16 from the launch line
@@ -26,8 +26,10 @@ What only a GPU exposes, and the assertion that catches it:
 - bf16 autocast with fused AdamW on CUDA: losses move away from the fp32 run's (autocast ran),
   weights stay fp32 and are not bf16-rounded (fused AdamW updates the fp32 weights), losses finite.
 - FSDP2: the run itself (a wrong layer class, or one holding the input embeddings, fails the launch),
-  its sharded checkpoint resumes and exports the same weights as the run's own export, and needs
-  --allow_pickle.
+  its sharded checkpoint resumes and exports the same weights as the run's own export with no flag (signed),
+  and one from elsewhere needs --allow_pickle (its metadata is a full pickle).
+- DeepSpeed's checkpoints in bf16 and fp16 (its own loss scaler) read weights-only: a class they pickle that the
+  allowlist lacks would refuse the resume.
 - NCCL shutdown: no process-group warning at exit, exit code 0, for every file that forms a group.
 - Pinned memory and non-blocking copies: no synchronising CUDA operation between log lines.
 - CUDA RNG state in exact resume: the RNG file holds the CUDA state, and the first resumed loss is
@@ -47,6 +49,7 @@ from conftest import (
     LIBRARY_SYNCS,
     REPO,
     TINY,
+    another_user,
     assert_no_sync_between_log_lines,
     losses,
     read_log,
@@ -108,11 +111,6 @@ def record(test: str, **measured) -> None:
             f.write(json.dumps({"test": test, **measured}) + "\n")
 
 
-def pickled(name: str) -> bool:
-    """DeepSpeed's checkpoints and FSDP's sharded ones load only with --allow_pickle."""
-    return RUNS[name][2][2] is not None or name == "fsdp"
-
-
 def exported(output_dir) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "model" / "model.safetensors")
 
@@ -154,8 +152,7 @@ def resumed(tmp_path_factory, run_args, trained):
         if name not in done:
             out = tmp_path_factory.mktemp(f"{name}_resumed")
             checkpoint = trained(name)[0] / f"step_{SAVE}"
-            launch(name, [*run_args, "--output_dir", out, "--resume", checkpoint,
-                          *(["--allow_pickle"] if pickled(name) else [])])
+            launch(name, [*run_args, "--output_dir", out, "--resume", checkpoint])
             done[name] = out
         return done[name]
 
@@ -211,11 +208,12 @@ def test_resume_on_the_gpu_reproduces_the_uninterrupted_run(name, trained, resum
 
 
 @pytest.mark.xdist_group("fsdp")
-def test_fsdp_resume_needs_allow_pickle(trained, run_args, tmp_path):
-    result = launch("fsdp", [*run_args, "--output_dir", tmp_path / "out", "--resume",
-                             trained("fsdp")[0] / f"step_{SAVE}"], check=False)
+def test_an_fsdp_checkpoint_from_elsewhere_needs_allow_pickle(trained, run_args, tmp_path):
+    with another_user(tmp_path) as env:
+        result = launch("fsdp", [*run_args, "--output_dir", tmp_path / "out", "--resume",
+                                 trained("fsdp")[0] / f"step_{SAVE}"], check=False, env=env)
     # The launcher (torchrun) turns train.py's exit code 2 into its own failure.
-    assert result.returncode != 0 and "was written by FSDP, whose files load only with full pickle" in result.stderr
+    assert result.returncode != 0 and "and FSDP's files load only with full pickle" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -224,7 +222,7 @@ def test_checkpoint_export_meets_the_runs_own_export(name, trained, tmp_path):
     out = trained(name)[0]
     if name == "fsdp":  # torch.distributed.checkpoint's folder, read by models/trained.py with dcp_to_torch_save
         assert (out / f"step_{STEPS}" / "pytorch_model_fsdp_0").is_dir()
-    result = run_module("textclf.export", [out / f"step_{STEPS}", tmp_path / "exported", "--allow_pickle"])
+    result = run_module("textclf.export", [out / f"step_{STEPS}", tmp_path / "exported"])
     assert "verified" in result.stdout
     from_checkpoint, at_the_end = load_file(tmp_path / "exported" / "model.safetensors"), exported(out)
     assert {n: t.shape for n, t in from_checkpoint.items()} == {n: t.shape for n, t in at_the_end.items()}

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from textclf.checkpointing import POSITION, read_position, read_verified_position, verify_checkpoint
+from textclf.checkpointing.secret import own_secret
 from textclf.checkpointing.verify import sealed, verify_files
 from textclf.errors import InputError
 from textclf.models import load_trained
@@ -40,7 +41,7 @@ def test_every_file_is_recorded_with_its_sha256_and_position_json_with_its_own(s
     on_disk = sorted(str(path.relative_to(step_2)) for path in step_2.rglob("*") if path.is_file())
     assert sorted(position["files"]) == sorted(set(on_disk) - {POSITION})
     assert all(len(entry["sha256"]) == 64 for entry in position["files"].values())
-    assert sealed(position) == position
+    assert sealed(position, own_secret()) == position  # signed with this user's secret, then sealed
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -95,7 +96,8 @@ def test_the_best_model_s_reload_checks_the_checkpoint_first(step_2, tmp_path):
     best = {"step": 2, "checkpoint": str(step_2), "metrics": {"eval_f1": 0.5}}
     try:
         with pytest.raises(InputError) as refused:
-            verified_best_checkpoint(Accelerator(cpu=True), best, output_dir=str(tmp_path))
+            with verified_best_checkpoint(Accelerator(cpu=True), best, output_dir=str(tmp_path), allow_pickle=False):
+                pass
     finally:
         AcceleratorState._reset_state(True)
     assert one_line(refused).startswith(f"cannot load checkpoint {step_2}: model.safetensors is not the file")
@@ -128,7 +130,7 @@ def test_an_older_checkpoint_is_verified_as_far_as_it_can_be_and_says_what_was_n
 def test_a_new_checkpoint_whose_record_lost_a_sha256_is_refused(step_2):
     position = json.loads((step_2 / POSITION).read_text())
     del position["files"]["optimizer.bin"]["sha256"]
-    (step_2 / POSITION).write_text(json.dumps(sealed(position)))
+    (step_2 / POSITION).write_text(json.dumps(sealed(position, own_secret())))  # even signed
     with pytest.raises(InputError, match="optimizer.bin is not the file that was saved"):
         verify_checkpoint(str(step_2), read_verified_position(str(step_2)))
 

@@ -141,17 +141,17 @@ def resume_refusals(checkpoint, later: str) -> list[str]:
     return [f"--resume {checkpoint}: {checkpoint.parent} holds checkpoints after it ({later}), which this run would "
             "write over; pass --overwrite_output_dir to move them aside, or --output_dir <another folder> to keep "
             "both runs",
-            f"{checkpoint} was written by DeepSpeed, whose files load only with full pickle, which can run code "
-            "stored in them; pass --allow_pickle if you trust this checkpoint"]
+            f"cannot resume from {checkpoint}: it was made with seed = 42, this run has 7; a resumed run keeps what "
+            "shapes its training (leave out --seed, or start a new run in another --output_dir)"]
 
 
 def test_a_resume_refused_twice_names_both_refusals_in_one_launch_before_torch(tmp_path):
-    """`accelerate launch --config_file accelerate_configs/zero2.yaml train.py --resume checkpoints/step_10` beside
-    a later step_12, without --allow_pickle: both refusals at once, not one a launch (the second one used to wait
-    for the model to be built)."""
+    """`accelerate launch --config_file accelerate_configs/zero2.yaml train.py --resume checkpoints/step_10 --seed 7`
+    beside a later step_12: both refusals at once, not one a launch."""
     step_10, _ = zero2_checkpoints(tmp_path / "run")
     env = {**os.environ, **OFFLINE, **rank_env(launch_env(ZOO / "zero2.yaml", 2, free_port()), 0)}
-    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(step_10)], cwd=REPO,
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(step_10), "--seed", "7"],
+                            cwd=REPO,
                             capture_output=True, text=True, timeout=120, env=env)
     said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-3000:]
@@ -172,7 +172,7 @@ def test_the_plan_adds_the_refusals_to_a_list_it_is_given_and_goes_on(tmp_path, 
     for key, value in rank_env(launch_env(ZOO / "zero2.yaml", 2, free_port()), 0).items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(REPO)
-    argv = ["--resume", str(step_10)]
+    argv = ["--resume", str(step_10), "--seed", "7"]
     refusals = []
     cfg, start = plan_start(parse_config(argv), argv, refusals)
     assert refusals == resume_refusals(step_10, "step_12")
@@ -180,5 +180,5 @@ def test_the_plan_adds_the_refusals_to_a_list_it_is_given_and_goes_on(tmp_path, 
     with pytest.raises(InputError) as refused:
         plan_start(parse_config(argv), argv)
     assert str(refused.value).splitlines() == refusals
-    argv += ["--overwrite_output_dir", "--allow_pickle"]
+    argv = ["--resume", str(step_10), "--overwrite_output_dir"]
     assert plan_start(parse_config(argv), argv)[1].checkpoint == str(step_10)

@@ -71,8 +71,8 @@ def logits(model, folder, texts=TEXTS):
 def test_only_adapters_and_head_change(strategy, lora_run):
     out = lora_run(strategy)
     assert json.loads((out / "run.json").read_text())["num_processes"] == 2
-    before = checkpoint_weights(str(out / "step_1"), allow_pickle=True)
-    after = checkpoint_weights(str(out / "step_2"), allow_pickle=True)
+    before = checkpoint_weights(str(out / "step_1"), allow_pickle=False)
+    after = checkpoint_weights(str(out / "step_2"), allow_pickle=False)
     assert before.keys() == after.keys()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     trainable = {name for name in before if ".lora_" in name or ".modules_to_save." in name}
@@ -100,7 +100,7 @@ def test_the_exported_adapter_reloads_with_peft(strategy, lora_run):
 def test_merged_export_of_a_checkpoint_is_a_plain_model_that_predicts_like_the_adapter(strategy, lora_run, tmp_path):
     out = lora_run(strategy)
     merged = tmp_path / "merged"
-    run_module("textclf.export", [out / "step_2", merged, "--merge", "--allow_pickle"])
+    run_module("textclf.export", [out / "step_2", merged, "--merge"])
     assert not (merged / "adapter_config.json").exists()
     plain = AutoModelForSequenceClassification.from_pretrained(merged).eval()
     assert not isinstance(plain, PeftModel)
@@ -117,7 +117,7 @@ def test_resume_continues_the_lora_run_exactly(strategy, lora_run, lora_args, tm
     out = lora_run(strategy)
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "step_1", resumed / "step_1")
-    train_forked([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1", "--allow_pickle"],
+    train_forked([*lora_args, "--output_dir", resumed, "--resume", resumed / "step_1"],
                  config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert losses(resumed)[2] == losses(out)[2]
     for name in ("adapter_model.safetensors", "model.safetensors"):
@@ -158,7 +158,7 @@ def test_lora_of_a_decoder_trains_under_zero_and_its_exports_load_everywhere(str
                  config_file=REPO / "accelerate_configs" / CONFIGS[strategy])
     assert sorted(losses(out)) == [1, 2]
     exported = tmp_path / "exported"
-    export_checkpoint(str(out / "step_2"), str(exported), allow_pickle=True)
+    export_checkpoint(str(out / "step_2"), str(exported))
     for folder in (out / "model", exported):
         assert_pipeline_predicts_like_the_trained_model(folder)
         assert_peft_loaders_predict_like_the_trained_model(folder, tmp_path / f"{folder.name}_elsewhere")

@@ -63,7 +63,7 @@ def cell_args(cell, request, family_model, cache_dir):
     files = request.getfixturevalue(fixture)
     data = ["--data", files] if isinstance(files, Path) else ["--data", files["train"], "--eval_data", files["eval"]]
     return [*TINY, "--model", family_model(cell["family"]), *data, "--cache_dir", cache_dir, *options,
-            "--max_steps", 2, "--save_steps", 1, "--allow_pickle",
+            "--max_steps", 2, "--save_steps", 1,
             *(["--lora"] if cell["tuning"] == "lora" else []),
             *(["--gradient_checkpointing"] if cell["checkpointing"] == "on" else [])]
 

@@ -284,21 +284,28 @@ def delete(name):
 
 
 def set_position(**changes):
-    """Edit position.json as one who knows its format would: its own sha256 made again (tests/test_integrity.py
-    shows an edit without it refused)."""
+    """Edit position.json and sign it again with this user's secret, as a run that wrote those values would have: what
+    refuses it is then the check after the signature's (tests/test_integrity.py shows an edit that is not signed
+    refused)."""
+    from textclf.checkpointing.secret import own_secret
     from textclf.checkpointing.verify import sealed
 
     def edit(folder):
         position = json.loads((folder / "position.json").read_text())
-        (folder / "position.json").write_text(json.dumps(sealed({**position, **changes})))
+        (folder / "position.json").write_text(json.dumps(sealed({**position, **changes}, own_secret())))
     return edit
 
 
 def record_files(folder):
-    """Make position.json's list of files agree with what is there, as someone editing the checkpoint would."""
+    """Make position.json's list of files agree with what is there, as someone editing the checkpoint would, who has
+    not this user's secret: the signature goes (a checkpoint from elsewhere), the sha256 is made again, and what
+    refuses the checkpoint is then the check after the signature's."""
+    from textclf.checkpointing.verify import SIGNATURE, SIGNED_FORMAT, sealed
     from textclf.checkpointing.write import manifest
 
-    set_position(files=manifest(str(folder)))(folder)
+    position = json.loads((folder / "position.json").read_text())
+    unsigned = {key: value for key, value in position.items() if key not in (SIGNATURE, *SIGNED_FORMAT)}
+    (folder / "position.json").write_text(json.dumps(sealed({**unsigned, "files": manifest(str(folder))})))
 
 
 def unreadable_rng_state(folder):
@@ -345,7 +352,7 @@ BAD_RESUMES = {
                    "made with training data = 0000000000000000"),
     "changed accumulation": (lambda src, tmp: src, ["--gradient_accumulation_steps", "2"],
                              "made with gradient_accumulation_steps = 1, this run has 2"),
-    "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), ["--allow_pickle"],
+    "changed strategy": (lambda src, tmp: corrupt_copy(src, tmp / "c", set_position(zero_stage=2)), [],
                          "made by a launch with DeepSpeed ZeRO stage 2 (this launch: None); resume it with "
                          "accelerate launch --config_file accelerate_configs/zero2.yaml"),
     # as a launch under ddp_bf16.yaml would set it, where the config's own field stays unset
@@ -414,24 +421,34 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, args, checkpoint_r
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zoo_file, launch", [("zero2.yaml", run_train), ("zero3.yaml", train), ("cpu.yaml", train)],
+                         ids=["zero2 (accelerate launch)", "zero3", "cpu"])
+def test_the_card_s_two_commands_resume_exactly_with_no_other_flag(tmp_path, args, zoo_file, launch):
+    """`accelerate launch --config_file <zoo file> train.py`, then the same launch with `--resume <dir>/step_3`: the
+    run's own checkpoint proves it wrote it (signed), DeepSpeed's pickles are read weights-only, and the resumed
+    steps log the uninterrupted run's losses bitwise. zero2 under the real launcher, the others forked."""
+    config = REPO / "accelerate_configs" / zoo_file
+    run = [*args, "--max_steps", 6, "--save_steps", 3, "--eval_steps", 2]
+    launch([*run, "--output_dir", tmp_path / "full"], config_file=config)
+    resumed = launch([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_3"],
+                     config_file=config)
+    assert "warning:" not in resumed.stderr, resumed.stderr[-3000:]
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", 3)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("zoo_file", ["zero2.yaml", "zero3.yaml"])
-def test_deepspeed_resume_is_exact_and_needs_allow_pickle(tmp_path, args, zoo_file):
+def test_deepspeed_s_own_layout_is_checked_too(tmp_path, args, zoo_file):
+    """Each rank's optimizer partition, under the tag folder, is among what a resume requires."""
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 12, "--save_steps", 6, "--eval_steps", 4]
     train([*run, "--output_dir", tmp_path / "full"], config_file=config)
-    refused = train([*run, "--output_dir", tmp_path / "refused", "--resume", tmp_path / "full" / "step_6"],
-                        config_file=config, check=False)
-    assert refused.returncode != 0 and "pass --allow_pickle if you trust this checkpoint" in refused.stderr
-    assert not (tmp_path / "refused").exists()
-    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_6",
-               "--allow_pickle"], config_file=config)
-    assert_same_run(tmp_path / "full", tmp_path / "resumed", 6)
     # DeepSpeed's own layout is checked too: each rank's optimizer partition, under the tag folder.
     damaged = shutil.copytree(tmp_path / "full" / "step_6", tmp_path / "damaged")
     partition = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     (damaged / partition).unlink()
-    refused = train([*run, "--output_dir", tmp_path / "refused", "--resume", damaged, "--allow_pickle"],
-                        config_file=config, check=False)
+    refused = train([*run, "--output_dir", tmp_path / "refused", "--resume", damaged], config_file=config,
+                    check=False)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: cannot resume from {damaged}: {partition} is missing; resume from another checkpoint "
                       "(--resume <output_dir>/step_<N>)"], refused.stderr[-3000:]
@@ -473,23 +490,26 @@ def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, 
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 8, "--save_steps", 4, "--eval_strategy", "no"]
     train([*run, "--output_dir", tmp_path / "full"], config_file=config)
-    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_4", "--allow_pickle"],
-          config_file=config)
+    train([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_4"], config_file=config)
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 4)
 
 
-def test_resuming_an_fsdp_sharded_checkpoint_needs_allow_pickle(tmp_path):
-    """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads
-    the metadata of FSDP's sharded state with full pickle, as DeepSpeed reads its shards."""
-    from textclf.checkpointing import FSDP_SHARDED
-    from textclf.checkpointing.resume import refuse_pickle_unless_allowed
+def test_an_fsdp_sharded_checkpoint_from_elsewhere_needs_allow_pickle(tmp_path, capsys):
+    """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads the
+    metadata of FSDP's sharded state with full pickle, which no weights-only read replaces. The run's own checkpoint
+    (its signature verified: nothing unproven) loads; one from elsewhere needs the user's say-so, said either way."""
+    from textclf.checkpointing import FSDP_SHARDED, refuse_pickle_unless_allowed
     from textclf.errors import InputError
 
     (tmp_path / FSDP_SHARDED).mkdir()
-    position = {"step": 4, "zero_stage": None}
-    with pytest.raises(InputError, match="written by FSDP, .* pass --allow_pickle if you trust this checkpoint"):
-        refuse_pickle_unless_allowed(str(tmp_path), position, allow_pickle=False)
-    refuse_pickle_unless_allowed(str(tmp_path), position, allow_pickle=True)
+    refuse_pickle_unless_allowed(str(tmp_path), None, allow_pickle=False)
+    assert capsys.readouterr().err == ""
+    elsewhere = "it was signed with another secret than this user's"
+    with pytest.raises(InputError, match=f"written elsewhere \\({elsewhere}\\), and FSDP's files load only with full "
+                                         "pickle, .* pass --allow_pickle if you trust this checkpoint"):
+        refuse_pickle_unless_allowed(str(tmp_path), elsewhere, allow_pickle=False)
+    refuse_pickle_unless_allowed(str(tmp_path), elsewhere, allow_pickle=True)
+    assert f"warning: nothing proves that this user's runs wrote {tmp_path}: {elsewhere}" in capsys.readouterr().err
 
 
 # --- resume by path alone: the checkpoint's config, and what a flag may change ---
@@ -709,7 +729,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_keeping_the_global_
     (the default model, its dropout on)."""
     (made_on, accumulation), resumed_on = RESHAPES[reshape]
     # From an odd step: on fewer processes the micro-batch counter accelerate restores would sync out of phase.
-    run = [*args, "--max_steps", 10, "--save_steps", 5, "--logging_steps", 1, "--allow_pickle"]
+    run = [*args, "--max_steps", 10, "--save_steps", 5, "--logging_steps", 1]
     train_forked([*run, "--gradient_accumulation_steps", accumulation, "--output_dir", tmp_path / "full"],
                  **on(zoo_file, made_on))
     resumed = train_forked([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_5"],
@@ -748,7 +768,7 @@ def test_a_checkpoint_without_accumulation_resumes_on_more_processes_in_smaller_
     """Made by 1 process in micro-batches of 16 with no accumulation to trade, resumed on 2 processes: each takes
     micro-batches of 8, the same examples per optimizer step; DeepSpeed is given the micro-batch of 8."""
     run = [*args, "--model", dropout_free_model, "--learning_rate", "1e-3", "--per_device_train_batch_size", 16,
-           "--max_steps", 10, "--save_steps", 5, "--logging_steps", 1, "--allow_pickle"]
+           "--max_steps", 10, "--save_steps", 5, "--logging_steps", 1]
     train_forked([*run, "--output_dir", tmp_path / "full"], **on(zoo_file, 1))
     resumed = train_forked([*run, "--output_dir", tmp_path / "resumed", "--resume", tmp_path / "full" / "step_5"],
                            **on(zoo_file, 2))

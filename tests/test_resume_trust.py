@@ -11,6 +11,7 @@ from test_resume import assert_same_run
 
 from conftest import TINY, assert_refused, train_forked
 from textclf.checkpointing import POSITION, Start, read_verified_position
+from textclf.checkpointing.secret import own_secret
 from textclf.checkpointing.verify import sealed
 from textclf.errors import InputError
 
@@ -73,7 +74,7 @@ def test_a_resume_s_tokenizer_folder_is_verified_before_it_is_used(step_2):
 
     position = json.loads((step_2 / POSITION).read_text())
     unrecord_tokenizer(position)
-    (step_2 / POSITION).write_text(json.dumps(sealed(position)))
+    (step_2 / POSITION).write_text(json.dumps(sealed(position, own_secret())))  # even signed
     with pytest.raises(InputError) as refused:
         start.verified_folder("tokenizer")
     assert one_line(refused).startswith(f"cannot resume from {step_2}: its {POSITION} records no tokenizer/ folder")

@@ -560,9 +560,8 @@ def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_pa
     position = {"step": 3, "epoch": 0, "batch_in_epoch": 3, "world_size": 1, "zero_stage": 3, "mixed_precision": "no",
                 "global_batch_size": 32, "per_device_train_batch_size": 32, "gradient_accumulation_steps": 1}
     (checkpoint / "position.json").write_text(json.dumps(sealed(position)))
-    # --allow_pickle: a ZeRO checkpoint's pickles would be a second refusal of the same launch
-    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint),
-                             "--allow_pickle"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--resume", str(checkpoint)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
     said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(said) == 1, result.stderr[-2000:]
     assert said[0].startswith(f"error: cannot resume from {checkpoint}: it was made by a launch with DeepSpeed ZeRO "

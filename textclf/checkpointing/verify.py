@@ -1,6 +1,7 @@
 """A checkpoint verified before anything of it is loaded: its position.json read and checked against its own sha256,
-then every file it recorded when it was completed (size and sha256) read in full and compared, and what an exact
-resume needs found there. A resume, the best model's reload, export, predict and report all load through it.
+its signature checked against this user's secret (who wrote it), then every file it recorded when it was completed
+(size and sha256) read in full and compared, and what an exact resume needs found there. A resume, the best model's
+reload, export, predict and report all load through it.
 """
 
 from __future__ import annotations
@@ -11,23 +12,46 @@ import os
 import pickle
 import re
 import sys
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from textclf.errors import InputError, checked_on_main_process
 from textclf.files import sha256_all
 
 from .folders import POSITION, find_best_checkpoint
+from .pickles import refuse_pickle_unless_allowed, weights_only_loads
+from .secret import read_secret, secret_id, secret_path, signature, signature_matches
 
 if TYPE_CHECKING:  # accelerate is imported after the pre-launch checks
     from accelerate import Accelerator
 
+SIGNATURE, SIGNED_BY = "signature", "signed_by"  # the HMAC of position.json's other fields, and the secret's id
 
-def sealed(position: dict) -> dict:
-    """position with a sha256 of its other fields, so that a changed byte in position.json is seen too."""
-    fields = {key: value for key, value in position.items() if key != "sha256"}
-    # Hashed as JSON reads it back: int keys become strings, tuples lists, and the checksum still matches.
-    text = json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False)
-    return {**fields, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+STARTED_IN = "started_in"  # the folder the run started in, where the config's relative paths start from
+
+# What this textclf writes in every position.json and no older one did: a position with any of them is signed.
+SIGNED_FORMAT = (SIGNED_BY, STARTED_IN)
+
+
+def canonical(fields: dict) -> bytes:
+    """The text a position's sha256 and signature are computed over: its fields as JSON reads them back (int keys
+    become strings, tuples lists), so that both still match once the file is read."""
+    return json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False).encode()
+
+
+def sealed(position: dict, secret: Optional[bytes] = None) -> dict:
+    """position signed with `secret` (its id and an HMAC of its other fields), then given a sha256 of every other
+    field, so that a changed byte in position.json is seen with or without the secret."""
+    fields = {key: value for key, value in position.items() if key not in ("sha256", SIGNATURE)}
+    if secret is not None:
+        fields[SIGNED_BY] = secret_id(secret)
+        fields[SIGNATURE] = signature(canonical(fields), secret)
+    return {**fields, "sha256": own_sha256(fields)}
+
+
+def own_sha256(position: dict) -> str:
+    """The sha256 of a position's fields but its own."""
+    return hashlib.sha256(canonical({key: value for key, value in position.items() if key != "sha256"})).hexdigest()
 
 
 def read_position(checkpoint: str) -> dict:
@@ -53,16 +77,39 @@ def read_verified_position(checkpoint: str) -> dict:
     deleted). One an older textclf wrote, before positions carried a sha256, has none to check (verify_files says
     so)."""
     position = read_position(checkpoint)
+    unsigned = [key for key in SIGNED_FORMAT if key in position and SIGNATURE not in position]
+    if unsigned:
+        raise InputError(f"cannot load checkpoint {checkpoint}: its {POSITION} records {unsigned[0]}, as only this "
+                         "textclf writes, yet no signature, which this textclf always writes with it: its signature "
+                         "was removed, and none of its fields can be trusted; use another checkpoint")
     if "sha256" not in position:
         why = why_not_older(position)
         if why:
             raise InputError(f"cannot load checkpoint {checkpoint}: its {POSITION} has no sha256 of its own, yet no "
                              f"older textclf wrote it ({why}): its sha256 was deleted, and none of its fields can be "
                              "trusted; use another checkpoint")
-    elif sealed(position)["sha256"] != position["sha256"]:
+    elif own_sha256(position) != position["sha256"]:
         raise InputError(f"cannot load checkpoint {checkpoint}: {POSITION} is not the file that was saved (its sha256 "
                          "differs); use another checkpoint")
     return position
+
+
+def authorship(checkpoint: str, position: dict) -> Optional[str]:
+    """None where this user's secret proves that a run of theirs wrote the checkpoint as it is (its signature
+    verifies); else why nothing proves who wrote it: a checkpoint from elsewhere, whose pickles need the user's
+    say-so. A signature made with this user's secret that does not verify is an edit: refused."""
+    if SIGNATURE not in position:
+        return "it is not signed, as an older textclf left its checkpoints"
+    secret = read_secret()
+    if secret is None:
+        return f"this machine has no secret to check its signature with ({secret_path()})"
+    if position.get(SIGNED_BY) != secret_id(secret):
+        return f"it was signed with another secret than this user's ({secret_path()}): another user or machine wrote it"
+    fields = {key: value for key, value in position.items() if key not in ("sha256", SIGNATURE)}
+    if not signature_matches(canonical(fields), secret, position[SIGNATURE]):
+        raise InputError(f"cannot load checkpoint {checkpoint}: its {POSITION} is not what this user's run signed "
+                         "(its signature does not verify): it was edited; use another checkpoint")
+    return None
 
 
 # An older textclf, which wrote no sha256 of position.json, recorded the sha256 of each file up to this size and the
@@ -228,9 +275,19 @@ def verify_files(checkpoint: str, position: dict) -> None:
                                    "(--resume <output_dir>/step_<N>)" for problem in problems))
 
 
-def verified_best_checkpoint(accelerator: Accelerator, best: dict, output_dir: str) -> str:
-    """Collective: the best checkpoint's folder (--load_best_model_at_end), every file checked against its record
-    before `accelerator.load_state` reads it."""
+@contextmanager
+def verified_best_checkpoint(accelerator: Accelerator, best: dict, output_dir: str, allow_pickle: bool):
+    """Collective: yields the best checkpoint's folder (--load_best_model_at_end) for `accelerator.load_state`, once
+    its position.json and every file are checked against their records and its signature judged, and with its
+    pickles read as any checkpoint's are (weights_only_loads)."""
     checkpoint = find_best_checkpoint(best, output_dir)
-    checked_on_main_process(accelerator, lambda: verify_checkpoint(checkpoint, read_verified_position(checkpoint)))
-    return checkpoint
+
+    def check():
+        position = read_verified_position(checkpoint)
+        refuse_pickle_unless_allowed(checkpoint, authorship(checkpoint, position), allow_pickle)
+        verify_checkpoint(checkpoint, position)
+
+    checked_on_main_process(accelerator, check)
+    with weights_only_loads(checkpoint, deepspeed=read_position(checkpoint).get("zero_stage") is not None,
+                            allow_pickle=allow_pickle):
+        yield checkpoint

@@ -1,6 +1,7 @@
 """Checkpoints as a run writes them: accelerate's save_state writes into a temporary folder, which position.json
-seals (the position, and the size and sha256 of every file) and a rename makes `step_<N>/`, so that a checkpoint is
-complete or absent. A write that fails is one line naming the newest complete checkpoint, left as it was.
+seals (the position, and the size and sha256 of every file, signed with this user's secret) and a rename makes
+`step_<N>/`, so that a checkpoint is complete or absent. A write that fails is one line naming the newest complete
+checkpoint, left as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from textclf.files import sha256_all, write_json
 
 from .folders import INCOMPLETE, POSITION, checkpoint_folder, complete_checkpoints
 from .rotation import delete_folder
+from .secret import own_secret
 from .verify import sealed
 
 if TYPE_CHECKING:
@@ -51,8 +53,9 @@ def manifest(folder: str) -> dict:
 
 def complete(folder: str, position: dict,
              advice: str = "free space or make the folder writable, then run again") -> None:
-    """Write position.json, last: the position, the list of the folder's files and its own sha256."""
-    write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}), advice)
+    """Write position.json, last: the position and the list of the folder's files, signed with this user's secret,
+    and its own sha256."""
+    write_json(os.path.join(folder, POSITION), sealed({**position, "files": manifest(folder)}, own_secret()), advice)
 
 
 @contextmanager

@@ -22,6 +22,8 @@ from textclf.config import DATA_FORMATS, DEFAULT_DATA, require_data
 from textclf.errors import InputError, say
 from textclf.tasks import Task
 
+from .checksums import verified_table
+
 
 def clean_text(text) -> str:
     """Real files carry byte-order marks inside fields and stray whitespace."""
@@ -93,18 +95,22 @@ def read_file(path: str, builder: str, delimiter: Optional[str], encoding: Optio
         options = {"sep": delimiter, "encoding": encoding or "utf-8", "keep_default_na": False}
     elif builder == "json" and encoding and encoding.lower() not in UTF8:
         path = utf8_copy(path, encoding)  # the json builder decodes a JSON array as UTF-8 whatever it is told
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
+    def load(again: bool) -> Dataset:  # again: read the file anew, not the cache `datasets` made of it
+        read = {**options, "download_mode": "force_redownload"} if again else options
         try:
-            table = datasets.load_dataset(builder, data_files=path, split="train", **options)
+            return datasets.load_dataset(builder, data_files=path, split="train", **read)
         except datasets.exceptions.DatasetGenerationError as e:
             columns = isinstance(e.__cause__, OverflowError) and builder == "csv" and oversized_integers(path, options)
             if not columns:
                 raise
             # As a JSON reader reads them: the numbers they are, as floats; a task that needs them exact refuses.
-            table = datasets.load_dataset(builder, data_files=path, split="train",
-                                          converters={column: read_number for column in columns}, **options)
+            return datasets.load_dataset(builder, data_files=path, split="train",
+                                         converters={column: read_number for column in columns}, **read)
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        table = verified_table(load, f"the table read from {path}")
     except datasets.exceptions.DatasetGenerationError as e:  # it wraps the parser's error: that one is judged
         raise e.__cause__ if isinstance(e.__cause__, PARSER_ERRORS) else e
     finally:
@@ -176,8 +182,10 @@ def select_columns(table: Dataset, path: str, task: Task) -> Dataset:
 
     # Batched, and dropping empty texts in the same pass: a call per row costs more than the cleaning itself at a
     # million rows, and `filter` would leave an indices mapping that every later change of columns rewrites.
-    kept = table.map(cleaned, batched=True, with_indices=True,
-                     remove_columns=[c for c in columns if c not in (*texts, "label")])
+    kept = verified_table(lambda again: table.map(cleaned, batched=True, with_indices=True,
+                                                  remove_columns=[c for c in columns if c not in (*texts, "label")],
+                                                  load_from_cache_file=not again),
+                          f"the texts and labels of {path}")
     if len(kept) < len(table):
         say(f"warning: dropped {len(table) - len(kept)} row(s) with empty text from {path}")
     if len(kept) == 0:

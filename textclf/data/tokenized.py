@@ -3,10 +3,7 @@ recorded when the cache was written, the sample of texts a scratch tokenizer is 
 of a launch say while the local main process does it.
 """
 
-import contextlib
-import fcntl
 import glob
-import json
 import os
 import random
 import threading
@@ -22,9 +19,9 @@ from datasets import Dataset
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
-from textclf import files
-from textclf.errors import InputError, say
+from textclf.errors import say
 
+from .checksums import cache_problems, one_run_at_a_time, record_checksums, remove_damaged
 from .reading import text_columns
 
 
@@ -95,17 +92,14 @@ def tokenize(table: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int
                 datasets.disable_progress_bars()
         cached = [file["filename"] for file in tokenized.cache_files]
         if checking:
-            record_checksums([file for file in files_of(cache) if file in cached and file not in trusted])
+            record_checksums([file for file in files_of(cache) if file in cached and file not in trusted],
+                             TOKENIZED)
     if show_progress and cached and all(os.path.getmtime(file) < started for file in cached):
         say(f"data: {len(table):,} examples tokenized before, from the cache ({os.path.dirname(cached[0])})")
     elif show_progress:
         say(f"data: tokenized {len(table):,} examples in {time.perf_counter() - start:.1f} s"
             + (f", cached in {os.path.dirname(cached[0])}" if cached else ""))
     return tokenized
-
-
-# Beside each file of the tokenized cache, what it held when it was written: {"size": bytes, "sha256": hex}.
-CHECKSUM_SUFFIX = ".sha256.json"
 
 
 def cache_file(table: Dataset, code: bytes, tokenizer: PreTrainedTokenizerBase, *options) -> Optional[str]:
@@ -122,21 +116,12 @@ def cache_file(table: Dataset, code: bytes, tokenizer: PreTrainedTokenizerBase, 
     return os.path.join(os.path.dirname(table.cache_files[0]["filename"]), f"cache-{key}.arrow")
 
 
-@contextmanager
-def one_run_at_a_time(cache: str):
-    """An OS lock beside `cache` while this run checks, writes and records it; none where the folder or its file
-    system takes none (two runs tokenizing one data set at once may then rebuild each other's cache)."""
-    with contextlib.ExitStack() as held:
-        try:
-            fcntl.flock(held.enter_context(files.open_lock(cache + ".lock")), fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-
-
 def cache_key(cache: str) -> str:
     """The tokenized table's fingerprint: its cache file's key."""
     return os.path.basename(cache).removeprefix("cache-").removesuffix(".arrow")
+
+
+TOKENIZED = "tokenized examples"
 
 
 def files_of(cache: str) -> list[str]:
@@ -152,64 +137,8 @@ def drop_damaged(cache: str) -> set[str]:
     found = files_of(cache)
     problems = cache_problems(found)
     if problems:
-        (name, (state, detail)), more = next(iter(problems.items())), len(problems) - 1
-        print(f"data: the cache of tokenized examples in {os.path.dirname(cache)} {state} ({os.path.basename(name)}: "
-              f"{detail}{f'; and {more} more of its files' if more else ''}); tokenizing again", flush=True)
-        for file in problems:
-            try:
-                files.remove(file + CHECKSUM_SUFFIX)
-                files.remove(file)
-            except OSError as e:
-                raise InputError(f"cannot remove {file}, a damaged cache of tokenized examples: {e.strerror}; remove "
-                                 "it yourself (or make its folder writable), then run again") from None
+        remove_damaged(problems, TOKENIZED, "tokenizing again")
     return set(found) - set(problems)
-
-
-def cache_problems(found: list[str]) -> dict[str, tuple[str, str]]:
-    """(what the cache is, why) for each of the files `found` whose size or sha256 is not what its record says, that
-    has no record, or that cannot be read. Only files of the recorded size are hashed."""
-    problems, to_hash = {}, {}
-    for file in found:
-        record = checksum_record(file)
-        if isinstance(record, str):
-            problems[file] = ("is unverified", record)
-            continue
-        try:
-            size = os.path.getsize(file)
-        except OSError as e:
-            problems[file] = ("cannot be read", e.strerror or str(e))
-            continue
-        if size != record["size"]:
-            problems[file] = ("is damaged", f"{size:,} bytes where {record['size']:,} were written")
-        else:
-            to_hash[file] = record["sha256"]
-    for (file, recorded), digest in zip(to_hash.items(), files.sha256_all(list(to_hash))):
-        if isinstance(digest, OSError):
-            problems[file] = ("cannot be read", digest.strerror or str(digest))
-        elif digest != recorded:
-            problems[file] = ("is damaged", "its sha256 is not the one recorded when it was written")
-    return dict(sorted(problems.items()))
-
-
-def checksum_record(file: str):
-    """The size and sha256 recorded beside a cache file, or why there is none to trust."""
-    try:
-        with files.open_existing(file + CHECKSUM_SUFFIX, "r", encoding="utf-8") as f:
-            record = json.load(f)
-        return {"size": int(record["size"]), "sha256": str(record["sha256"])}
-    except FileNotFoundError:
-        return "no checksum was recorded beside it when it was written"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"its checksum record does not read ({getattr(e, 'strerror', None) or e})"
-
-
-def record_checksums(written: list[str]) -> None:
-    """Record beside each newly written cache file its size and sha256, each in one rename."""
-    for file, digest in zip(written, files.sha256_all(written)):
-        if isinstance(digest, OSError):
-            raise InputError(f"cannot read {file}, the cache of tokenized examples just written: {digest.strerror}; "
-                             "check the disk, then run again")
-        files.write_json(file + CHECKSUM_SUFFIX, {"size": os.path.getsize(file), "sha256": digest})
 
 
 # How long a rank waits before it says what for, and again as often. TEXTCLF_WAIT_NOTE_S overrides it (the tests).

@@ -9,13 +9,14 @@ the fp16 loss scaler skipped (an overflow) is no divergence: nothing of it reach
 """
 
 import math
+import os
 from typing import Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from textclf.checkpointing import complete_checkpoints
+from textclf.checkpointing import complete_checkpoints, read_position
 from textclf.errors import InputError
 
 LOSS, GRAD_NORM = 1, 2  # what was not finite, as bits of the code kept per step: code = step * 4 + bits
@@ -32,6 +33,9 @@ class DivergenceWatch:
         self.output_dir, self.labels_scale = output_dir, labels_scale
         self.first = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the first bad step's code; 0: none
         self.step_bits = torch.zeros((), dtype=torch.long, device=accelerator.device)  # the running step's
+        self.largest_weight: Optional[float] = None
+        """The largest weight in magnitude at the last check of the weights: a checkpoint records it, and a diverged
+        run's line judges that checkpoint by it."""
 
     def add(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor] = None) -> None:
         """Fold one micro-batch's loss into optimizer step `step` and, where gradients sync, the step's gradient
@@ -53,11 +57,16 @@ class DivergenceWatch:
     def check(self, step: int, model=None) -> None:
         """Stop the run (an InputError) if any step until `step` diverged on any process, or the `model`'s weights are
         not finite: every process calls it at the same steps and stops alike."""
-        weights_bad = torch.zeros((), dtype=torch.long, device=self.first.device)
+        largest = torch.zeros((), dtype=torch.float64, device=self.first.device)
         if model is not None:
-            weights_bad = (~all_finite(model, self.first.device)).long()
-        codes, bad = self.accelerator.gather(torch.stack([self.first, weights_bad]).view(1, 2)).view(-1, 2).T.tolist()
-        codes = [code for code in codes if code]
+            largest = largest_weight(model, self.first.device)
+        # float64 holds every code exactly (a step below 2**51), and NaN and inf as they are.
+        gathered = self.accelerator.gather(torch.stack([self.first.double(), largest]).view(1, 2))
+        codes, magnitudes = gathered.view(-1, 2).T.tolist()
+        codes = [int(code) for code in codes if code]
+        bad = [not math.isfinite(magnitude) for magnitude in magnitudes]
+        if model is not None and not any(bad):
+            self.largest_weight = max(magnitudes)
         if codes:
             first, bits = divmod(min(codes), 4)
             what = [name for bit, name in ((LOSS, "loss"), (GRAD_NORM, "gradient norm")) if bits & bit]
@@ -72,17 +81,18 @@ class DivergenceWatch:
                         self.labels_scale)
 
 
-def all_finite(model, device) -> torch.Tensor:
-    """Whether every weight this process holds (its ZeRO-3 `ds_tensor` or FSDP shard, else the whole weight) is
-    finite, as a tensor on `device`, not read back."""
-    flags = []
+def largest_weight(model, device) -> torch.Tensor:
+    """The largest magnitude among the weights this process holds (its ZeRO-3 `ds_tensor` or FSDP shard, else the
+    whole weight), NaN or inf where one is not finite; a float64 tensor on `device`, not read back."""
+    largest = []
     for parameter in model.parameters():
         local = getattr(parameter, "ds_tensor", None)
         if local is None:
             local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         if local.numel():
-            flags.append(torch.isfinite(local.detach()).all().to(device))
-    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+            # One reduction, no temporary of the weight's size (abs() would make one).
+            largest.append(torch.linalg.vector_norm(local.detach(), ord=math.inf).to(device, torch.float64))
+    return torch.stack(largest).max() if largest else torch.zeros((), dtype=torch.float64, device=device)
 
 
 def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool, before_any_update: bool = False,
@@ -90,9 +100,7 @@ def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool, 
     """DivergenceWatch's error: a resume repeats the same steps (and refuses another --learning_rate), so
     the remedy is a new run. `labels_scale`: the largest magnitude of the labels, where the task says it bears
     (a regression's); `before_any_update`: what diverged came from the initial weights (step 1's loss or gradient)."""
-    found = complete_checkpoints(output_dir)
-    last_good = (f"the last good checkpoint is {found[-1][1]} (resumed, it repeats these steps)" if found
-                 else "no checkpoint was saved before it")
+    last_good = last_checkpoint(output_dir)
     if labels_scale is not None and labels_scale >= LARGE_LABELS:
         power = 10.0 ** math.floor(math.log10(labels_scale))
         return InputError(f"training diverged at {where}; the labels' scale is the likely cause: they reach "
@@ -108,6 +116,31 @@ def diverged(where: str, output_dir: str, learning_rate: float, clipping: bool, 
     return InputError(f"training diverged at {where}; the learning rate {learning_rate:g} is likely too high. "
                       f"Nothing of it was saved: {last_good}; start a new run with a lower --learning_rate{clip}")
 
+
+def last_checkpoint(output_dir: str) -> str:
+    """What the diverged run's line says of its checkpoints: the newest good one, passing over those whose weights
+    (as recorded) were already out of any trained model's range, where the run was diverging before it stopped."""
+    diverging = []
+    for _, checkpoint in reversed(complete_checkpoints(output_dir)):
+        try:
+            largest = read_position(checkpoint).get("largest_weight")
+        except InputError:
+            largest = None
+        if not (isinstance(largest, (int, float)) and largest >= LARGE_WEIGHTS):
+            break
+        diverging.append((os.path.basename(checkpoint), largest))
+    else:
+        checkpoint = None
+    bad = (f"; {', '.join(name for name, _ in reversed(diverging))} already hold{'s' * (len(diverging) == 1)} "
+           f"weights of up to {max(largest for _, largest in diverging):.3g} in magnitude: the run was diverging "
+           "there") if diverging else ""
+    if checkpoint is None:
+        return f"no {'good ' * bool(diverging)}checkpoint was saved before it{bad}"
+    return f"the last good checkpoint is {checkpoint} (resumed, it repeats these steps){bad}"
+
+
+# Weights of this magnitude or more are no trained model's: a run whose checkpoint holds them was diverging already.
+LARGE_WEIGHTS = 1e4
 
 # Labels of this magnitude or more make a diverged run's labels, not its learning rate, the likely cause: a model's
 # outputs start near 0, and the loss and its gradients grow with the labels.

@@ -3,6 +3,7 @@ and the trackers --report_to names, under the Trainer's names, each checked befo
 throughput of each log line (Window), which a checkpoint carries."""
 
 import json
+import math
 import os
 import sys
 import time
@@ -58,9 +59,21 @@ class JsonLinesTracker(GeneralTracker):
     def log(self, values: dict, step: Optional[int] = None, **kwargs) -> None:
         try:
             with files.open_append(self.tracker, encoding="utf-8") as f:  # never through a link in its place
-                f.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+                f.write(json.dumps({"step": step, "time": time.time(), **finite_or_named(values)}, allow_nan=False)
+                        + "\n")
         except OSError as e:
             raise write_failed("append to", self.tracker, e, continue_advice(self.output_dir)) from None
+
+
+def finite_or_named(values: dict) -> dict:
+    """`values` with each float that JSON cannot hold (NaN, inf: json.dumps would write a bare NaN, which strict
+    readers refuse) as the string JavaScript and float() both read: "NaN", "Infinity", "-Infinity"."""
+    def named(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+        return value
+
+    return {key: named(value) for key, value in values.items()}
 
 
 def log_with(cfg: TrainConfig) -> list:

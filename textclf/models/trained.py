@@ -19,9 +19,12 @@ from textclf.checkpointing import (
     FSDP_SHARDED,
     POSITION,
     STEP_DIR,
+    authorship,
     read_position,
     read_verified_position,
+    refuse_pickle_unless_allowed,
     verify_checkpoint,
+    weights_only_loads,
 )
 from textclf.cli import require_trained_model
 from textclf.config import TrainConfig
@@ -35,8 +38,9 @@ from .pretrained import needs_remote_code, refuse_custom_code
 def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False):
     """(model, tokenizer) from an exported model folder or a step_<N> checkpoint; the model in eval mode.
 
-    `allow_pickle` lets a DeepSpeed or FSDP-sharded checkpoint load: DeepSpeed's files and the
-    metadata of FSDP's distributed checkpoint are full pickles, which can run code stored in them.
+    A checkpoint's pickles are read as a resume reads them (checkpointing's pickles): DeepSpeed's weights-only, and
+    the metadata of FSDP's distributed checkpoint, a full pickle, only where this user's run signed the checkpoint
+    or `allow_pickle` is given.
     `trust_remote_code` lets the folder's own Python code (its config's auto_map) run; it is passed to
     transformers as False otherwise, never None, which would ask on the terminal and run the code on "y".
     """
@@ -67,6 +71,7 @@ def read_training(path: str) -> dict:
 
 def load_checkpoint(checkpoint: str, allow_pickle: bool, trust_remote_code: bool):
     position = read_verified_position(checkpoint)
+    refuse_pickle_unless_allowed(checkpoint, authorship(checkpoint, position), allow_pickle)
     verify_checkpoint(checkpoint, position)  # every file read in full before any is loaded
     try:
         config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
@@ -90,24 +95,18 @@ def load_checkpoint(checkpoint: str, allow_pickle: bool, trust_remote_code: bool
 def checkpoint_weights(checkpoint: str, allow_pickle: bool) -> dict:
     """The full weights in a step_<N> checkpoint, whichever strategy wrote it."""
 
-    def needs_pickle(why: str) -> None:
-        if not allow_pickle:
-            raise InputError(f"loading {checkpoint} takes full pickle ({why}), which can run code stored in its "
-                             "files; pass --allow_pickle if you trust this checkpoint")
-
     path = os.path.join(checkpoint, "model.safetensors")
     if os.path.isfile(path):  # one process or DDP: accelerate's save_state writes the whole model
         return load_file(path)
     if os.path.isfile(os.path.join(checkpoint, "latest")):  # DeepSpeed: shards per rank, under the tag in `latest`
-        needs_pickle("DeepSpeed's shards are pickles")
         # DeepSpeed's own consolidation (what the zero_to_fp32.py beside the shards runs): the fp32
         # master weights of ZeRO-1/2/3, frozen parameters included.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(checkpoint)
+        with weights_only_loads(checkpoint, deepspeed=True, allow_pickle=allow_pickle):
+            return get_fp32_state_dict_from_zero_checkpoint(checkpoint)
     path = os.path.join(checkpoint, FSDP_SHARDED)
     if os.path.isdir(path):  # FSDP with SHARDED_STATE_DICT: a torch.distributed.checkpoint folder
-        needs_pickle("the metadata of FSDP's distributed checkpoint is a pickle")
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         with tempfile.TemporaryDirectory() as tmp:  # torch's own consolidation, on one process
