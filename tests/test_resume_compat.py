@@ -61,6 +61,8 @@ def test_a_checkpoint_written_before_the_subpackages_resumes_bitwise(tmp_path):
     result = train_forked(["--resume", checkpoint, "--output_dir", resumed, "--cache_dir", tmp_path / "cache"],
                           config_file=None, env={"OMP_NUM_THREADS": "1"})
     assert f"resumed from {checkpoint} at optimizer step {STEP}" in result.stdout, result.stdout[-3000:]
+    # Unsigned (signatures came later): from elsewhere, said in one line, and it needs no flag (no pickle).
+    assert f"warning: nothing proves that this user's runs wrote {checkpoint}: it is not signed" in result.stderr
     found = differences(FIXTURE / "uninterrupted", resumed, FIXTURE / "uninterrupted" / "model.safetensors")
     made_on = json.loads((FIXTURE / "machine.json").read_text(encoding="utf-8"))
     if found and this_machine() != made_on:

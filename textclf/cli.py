@@ -237,7 +237,9 @@ def add_task_options(parser: argparse.ArgumentParser) -> None:
 def add_loading_options(parser: argparse.ArgumentParser) -> None:
     """What export, predict and report may load beyond plain safetensors and transformers' own classes."""
     parser.add_argument("--allow_pickle", action="store_true",
-                        help="allow a DeepSpeed checkpoint, whose files load only as full pickles (trusted files only)")
+                        help="load a checkpoint from elsewhere (not signed with this user's secret) whose files need "
+                        "full pickle (FSDP's sharded metadata), or whose DeepSpeed files hold more than DeepSpeed's "
+                        "own classes (trusted files only)")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="run the Python code a model folder ships for its config, model or tokenizer (its "
                         "auto_map); without it such a folder is refused, never prompted (trusted folders only)")

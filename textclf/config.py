@@ -240,7 +240,9 @@ class TrainConfig:
     checkpoint; flags may change only what keeps the run exact or extends it (those marked
     MAY_CHANGE_ON_RESUME)."""
     allow_pickle: Annotated[bool, MAY_CHANGE_ON_RESUME] = False
-    """Allow loading checkpoint files that need full pickle (DeepSpeed's own files)."""
+    """Load a checkpoint from elsewhere (one this user's runs did not sign) whose files need full pickle, which can run
+    code stored in them: FSDP's sharded metadata, or DeepSpeed files that hold more than DeepSpeed's own classes.
+    This user's own checkpoints never need it."""
 
     # --- logging ---
     logging_steps: Annotated[int, POSITIVE_INT, MAY_CHANGE_ON_RESUME] = 20
