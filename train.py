@@ -17,8 +17,8 @@ from textclf.errors import die_with_launcher, run_command
 if __name__ == "__main__":
     die_with_launcher()  # under torchrun, a rank ends with its launcher however that ends
 
-from textclf.checkpointing import Start, plan_start
-from textclf.cli import parse_config
+from textclf.checkpointing import Start
+from textclf.cli import parse_config, plan_run
 from textclf.config import HELD_OUT, TrainConfig
 from textclf.launch import check_command_line, check_launch_early, launch_shortfall
 
@@ -27,7 +27,7 @@ if __name__ == "__main__":
     # so do a missing data file, a launch that contradicts itself and a resume that it cannot continue.
     cfg = run_command(parse_config)
     run_command(lambda: check_command_line(cfg))
-    cfg, start = run_command(lambda: plan_start(cfg, sys.argv[1:]))
+    cfg, start = run_command(lambda: plan_run(cfg, sys.argv[1:]))
     run_command(lambda: check_launch_early(cfg))
 
 import contextlib
@@ -116,7 +116,7 @@ class Outcome(NamedTuple):
 @scoped  # what the run sets in the libraries (quiet warnings and bars, signal handlers) is put back at its end
 def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
     if start is None:  # called from code (a notebook, a test): planned here, as the command line plans it
-        cfg, start = plan_start(cfg)
+        cfg, start = plan_run(cfg)
     accelerator = make_accelerator(cfg, load_universal=start.universal)
     run = describe_run(accelerator, cfg)
     accelerator.print(f"config: {cfg.to_dict()}")
@@ -162,13 +162,12 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                "global_batch_size": run["global_batch_size"], "model": cfg.model, "lora": cfg.lora,
                "data_fingerprint": job.data_fingerprint}
-    # A resume checks the checkpoint against the run just built, and loads it. Either way the run then holds
-    # output_dir until it ends (one run at a time), and writes to it from here on.
-    if start.checkpoint is None:
-        checkpointing.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, None)
-    else:
-        with checkpointing.resuming(accelerator, optimizer, scheduler, start, cfg, made_of,
-                                    **vars(schedule)) as folder:
+    # A resume checks its checkpoint against the run just built, before the run takes output_dir: a refusal leaves
+    # nothing behind. The run then holds output_dir until it ends (one run at a time), and writes to it from here on.
+    checkpointing.check_resume(accelerator, start, cfg, made_of, **vars(schedule))
+    checkpointing.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, start.checkpoint)
+    if start.checkpoint is not None:
+        with checkpointing.resuming(accelerator, optimizer, scheduler, start, cfg) as folder:
             accelerator.load_state(folder)  # weights, optimizer, schedule, RNG states, the data loaders' place
     position = start.position
     if accelerator.is_main_process:

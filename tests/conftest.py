@@ -97,7 +97,7 @@ _guard: dict = {}
 def pytest_configure(config):
     if hasattr(config, "workerinput"):  # an xdist worker: the controller does it for the whole session
         return
-    from textclf.checkpointing import complete_checkpoints
+    from textclf.checkpointing.folders import complete_checkpoints
 
     _guard["made_checkpoints"] = not (REPO / "checkpoints").exists()
     _guard["made_run"] = not complete_checkpoints(str(REPO / "checkpoints"))
@@ -286,7 +286,7 @@ def write_csv(path, rows: list[dict]) -> Path:
 @pytest.fixture(scope="session")
 def corpus_csv(tmp_path_factory) -> Path:
     """The default corpus: 17,363 reviews labelled negative or positive (columns label, review)."""
-    from textclf.data import build_default_corpus
+    from textclf.data.reading import build_default_corpus
 
     corpus = tmp_path_factory.mktemp("corpus") / "corpus.csv"
     build_default_corpus(str(corpus))
@@ -392,7 +392,7 @@ def tiny_model(tmp_path_factory, reviews_csv) -> Path:
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-    from textclf.models import save_verified
+    from textclf.models.folder import save_verified
     from textclf.models.scratch import train_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny_model")
@@ -443,7 +443,8 @@ def pipeline_predictions(folder, texts=PROBE_TEXTS) -> list[dict]:
 def assert_pipeline_predicts_like_the_trained_model(folder):
     """The folder, loaded by `pipeline` from another directory, gives each text the label and probability
     that the trained model (as predict and report load it) gives."""
-    from textclf.models import load_trained, predict_logits
+    from textclf.models.folder import predict_logits
+    from textclf.models.trained import load_trained
 
     model, tokenizer = load_trained(str(folder))
     probabilities = predict_logits(model, tokenizer, PROBE_TEXTS).softmax(dim=-1)
@@ -462,7 +463,8 @@ def assert_peft_loaders_predict_like_the_trained_model(folder, elsewhere):
     from peft import AutoPeftModelForSequenceClassification, PeftConfig, PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from textclf.models import load_trained, predict_logits
+    from textclf.models.folder import predict_logits
+    from textclf.models.trained import load_trained
 
     model, tokenizer = load_trained(str(folder))
     expected = predict_logits(model, tokenizer, PROBE_TEXTS)

@@ -77,12 +77,12 @@ def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> N
     import train
     from textclf.cli import parse_config
     from textclf.errors import run_command
-    from textclf.launch import exit_finished_run
+    from textclf.launch.process import exit_finished_run
 
     try:
         cfg = run_command(lambda: parse_config(args))
         run_command(lambda: train.check_command_line(cfg))
-        cfg, resume = run_command(lambda: train.plan_start(cfg, args))
+        cfg, resume = run_command(lambda: train.plan_run(cfg, args))
         run_command(lambda: train.check_launch_early(cfg))
         run_command(lambda: train.main(cfg, resume))
         exit_finished_run()

@@ -120,7 +120,7 @@ def main() -> None:
     import train
     from textclf.cli import parse_config
 
-    cfg, resume = train.plan_start(parse_config(sys.argv[1:]), sys.argv[1:])
+    cfg, resume = train.plan_run(parse_config(sys.argv[1:]), sys.argv[1:])
     try:
         train.main(cfg, resume)
     finally:
@@ -129,7 +129,7 @@ def main() -> None:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"logging_steps": cfg.logging_steps, "eval_steps": cfg.eval_steps,
                        "save_steps": cfg.save_steps, "steps": state["interval"], "events": events}, f, indent=1)
-    from textclf.launch import exit_finished_run
+    from textclf.launch.process import exit_finished_run
 
     exit_finished_run()
 

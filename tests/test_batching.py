@@ -9,8 +9,7 @@ from torch.utils.data import BatchSampler
 
 from benchmarks.measure import epoch_padding
 from textclf.config import TrainConfig
-from textclf.data import EpochLengthGroupedSampler
-from textclf.data.batches import micro_batch_seed
+from textclf.data.batches import EpochLengthGroupedSampler, micro_batch_seed
 
 # A long tail, as in real reviews: most texts short, a few up to max_length.
 LENGTHS = [min(128, int(random.Random(i).paretovariate(1.2) * 8)) for i in range(1000)]

@@ -80,7 +80,7 @@ def test_repeats_alternate_rows_and_compare_medians(tmp_path, reviews_csv):
 def test_a_job_trains_exactly_one_epoch_of_examples_held_apart_from_its_eval_set(tmp_path, reviews_csv):
     from benchmarks.measure import job_data
     from benchmarks.plan import BenchJob
-    from textclf.data import load_table
+    from textclf.data.reading import load_table
 
     job = BenchJob("scratch-mini", steps=5, eval_rows=40)
     train_file, eval_file = job_data(job, str(reviews_csv), str(tmp_path))

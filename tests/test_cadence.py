@@ -6,8 +6,10 @@ import json
 import pytest
 
 from conftest import TINY, read_log, run_train
-from textclf.checkpointing import find_best_checkpoint, verified_best_checkpoint
-from textclf.loop import due, patience_ran_out, record_best_model, track_best
+from textclf.checkpointing.choice import find_best_checkpoint
+from textclf.checkpointing.verify import verified_best_checkpoint
+from textclf.loop.best_model import record_best_model, track_best
+from textclf.loop.schedule import due, patience_ran_out
 
 
 def test_strategies_count_optimizer_steps_and_epochs():

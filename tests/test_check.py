@@ -14,7 +14,7 @@ from conftest import REPO, TINY, run_train
 from textclf import check
 from textclf.cli import parse_config
 from textclf.config import DATA_FORMATS
-from textclf.launch import model_state_bytes
+from textclf.launch.estimates import model_state_bytes
 
 ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -174,7 +174,7 @@ def test_before_any_run_a_scratch_model_s_count_is_an_upper_bound_at_the_vocabul
 @pytest.fixture(scope="module")
 def learnt_job(reviews_csv, tmp_path_factory):
     """What train.py builds for scratch-tiny with LoRA on the reviews (it learns and caches their tokenizer)."""
-    from textclf.models import build_job
+    from textclf.models.job import build_job
 
     cache = tmp_path_factory.mktemp("tokenizer_cache")
     args = ["--model", "scratch-tiny", "--data", str(reviews_csv), "--cache_dir", str(cache), "--max_length", "32"]
@@ -182,7 +182,7 @@ def learnt_job(reviews_csv, tmp_path_factory):
 
 
 def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary(capsys, learnt_job):
-    from textclf.models import in_units, parameter_counts
+    from textclf.models.build import in_units, parameter_counts
 
     args, job = learnt_job
     expected = parameter_counts(job.model)
@@ -198,7 +198,8 @@ def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_pretrained_model_s_count_is_the_model_train_py_builds(family_model, reviews_csv, tmp_path, lora):
-    from textclf.models import build_job, parameter_counts
+    from textclf.models.build import parameter_counts
+    from textclf.models.job import build_job
 
     args = ["--model", str(family_model("llama")), "--data", str(reviews_csv), "--cache_dir", str(tmp_path),
             "--max_length", "32", *(["--lora"] if lora else [])]
@@ -309,7 +310,7 @@ def test_fp16_is_refused_for_a_machine_without_cuda_and_accepted_for_a_gpu_machi
 
 
 def test_float16_weights_under_the_fp16_loss_scaler_are_a_conflict_as_train_py_refuses_them(capsys):
-    from textclf.launch import float16_weights_conflict
+    from textclf.launch.checks import float16_weights_conflict
 
     status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_fp16.yaml", "--target", "cuda",
                                "--torch_dtype", "float16")
@@ -329,7 +330,7 @@ def test_torch_compile_in_a_yaml_passes_the_check(capsys, tmp_path):
 def test_each_gpu_file_of_the_zoo_is_one_conflict_for_a_machine_without_cuda(capsys, name):
     """What train.py refuses (tests/test_launch_trust.py), by the same rule: the GPUs the yaml names, with whatever
     else of it needs CUDA, in one line that sends the launch to the CPU files."""
-    from textclf.launch import cuda_only
+    from textclf.launch.checks import cuda_only
 
     yaml_config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
     [(need, fix)] = cuda_only("FSDP" if yaml_config["distributed_type"] == "FSDP" else None,
@@ -532,7 +533,7 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
 
 
 def test_the_peak_per_rank_adds_what_each_framework_holds_beyond_the_model_states():
-    from textclf.launch import framework_buffer_bytes
+    from textclf.launch.estimates import framework_buffer_bytes
 
     params = 1_000_000
     ddp = framework_buffer_bytes(params, params, world=2, stage=0, layout="fp32", strategy="ddp")

@@ -132,7 +132,7 @@ def test_an_unknown_recipe_key_gets_a_suggestion_too(tmp_path):
 # --- --help, and every flag the documentation names ---
 
 def test_every_field_is_documented_by_the_docstring_under_it():
-    from textclf.tasks import KINDS
+    from textclf.tasks.task import KINDS
 
     helps = field_helps()
     assert list(helps) == field_names() and all(helps.values())

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import read_csv
-from textclf.data import load_table
+from textclf.data.reading import load_table
 from textclf.errors import InputError
 
 
@@ -124,8 +124,8 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_the_cause_and_what_to_do(
 
 
 def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_path):
-    from textclf.data import load_splits
-    from textclf.tasks import Task
+    from textclf.data.splits import load_splits
+    from textclf.tasks.task import Task
 
     path = write(tmp_path / "tabs.csv", "label\treview\npositive\t好\nnegative\t差\n".encode())
     with pytest.raises(InputError, match="its columns are: label\treview .choose with --text_column or pass the "
@@ -183,7 +183,7 @@ def test_the_held_out_split_nobody_asked_for_is_capped_and_one_asked_for_is_not(
     from datasets import Dataset
 
     from textclf.data.splits import hold_out
-    from textclf.tasks import Task
+    from textclf.tasks.task import Task
 
     task = Task.of("single_label", "review", "label")
     table = Dataset.from_dict({"text": [f"评论{i}" for i in range(120_000)], "labels": [i % 3 for i in range(120_000)]})
@@ -225,8 +225,9 @@ def test_eval_split_is_a_fraction_or_a_number_of_examples(eval_split, valid):
                                                     {"query": "问2", "answer": "答2", "label": "no"}]),
 ])
 def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examples(tmp_path, kind, columns, rows):
-    from textclf.data import read_labelled, write_examples
-    from textclf.tasks import Task
+    from textclf.data.reading import read_labelled
+    from textclf.data.splits import write_examples
+    from textclf.tasks.task import Task
 
     task = Task.of(kind, *columns)
     source = write(tmp_path / "data.jsonl", json_lines(rows).encode())
@@ -245,8 +246,9 @@ def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examp
 
 def test_a_text_column_called_text_is_fingerprinted_as_any_other(tmp_path):
     """`datasets` hands a file's own `text` column on as large_string, which Arrow's join did not take."""
-    from textclf.data import fingerprint, read_labelled
-    from textclf.tasks import Task
+    from textclf.data.reading import read_labelled
+    from textclf.data.splits import fingerprint
+    from textclf.tasks.task import Task
 
     rows = "".join(f"{i % 2},评论{i}\n" for i in range(6))
     prints = {column: fingerprint(read_labelled(write(tmp_path / f"{column}.csv", f"stars,{column}\n{rows}".encode()),

@@ -11,9 +11,10 @@ import datasets
 import pytest
 
 from conftest import TINY, read_csv, train_forked, write_csv
-from textclf.data import load_splits, tokenize
 from textclf.data.checksums import CHECKSUM_SUFFIX
-from textclf.tasks import Task
+from textclf.data.splits import load_splits
+from textclf.data.tokenized import tokenize
+from textclf.tasks.task import Task
 
 REBUILT = "data: the cache of tokenized examples in "
 

@@ -11,10 +11,11 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY, assert_refused, train_forked
-from textclf.checkpointing import complete_checkpoints, rotate
+from textclf.checkpointing.folders import complete_checkpoints
+from textclf.checkpointing.rotation import rotate
 from textclf.checkpointing.write import complete
 from textclf.errors import InputError
-from textclf.loop import DivergenceWatch
+from textclf.loop.divergence import DivergenceWatch
 
 NAN, INF = torch.tensor(math.nan), torch.tensor(math.inf)
 
@@ -134,7 +135,7 @@ def test_a_diverged_run_stops_before_it_saves_and_keeps_the_last_good_checkpoint
     result = train_forked([*TINY, "--data", reviews_csv, "--cache_dir", cache_dir, "--output_dir", out,
                            "--max_steps", 4, "--save_steps", 1, "--logging_steps", 3, "--save_total_limit", 1,
                            "--learning_rate", 1e30], config_file=config_file, check=False)
-    assert_refused(result, f"training diverged at step 2: its loss and gradient norm are not finite (NaN or inf); "
+    assert_refused(result, "training diverged at step 2: its loss and gradient norm are not finite (NaN or inf); "
                            "the learning rate 1e+30 is likely too high. Nothing of it was saved: no good "
                            "checkpoint was saved before it; step_1 already holds weights of up to 1e+30 in "
                            "magnitude: the run was diverging there")

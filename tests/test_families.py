@@ -33,10 +33,11 @@ from families import FAMILIES
 from textclf import check
 from textclf.cli import parse_config
 from textclf.errors import InputError
-from textclf.models import load_trained, make_model, model_config, parameter_groups, predict_logits
-from textclf.models.build import get_tokenizer, training_config
+from textclf.models.build import get_tokenizer, make_model, model_config, parameter_groups, training_config
+from textclf.models.folder import predict_logits
 from textclf.models.lora import apply_lora
-from textclf.tasks import Task
+from textclf.models.trained import load_trained
+from textclf.tasks.task import Task
 
 ZOO = REPO / "accelerate_configs"
 STRATEGIES = {"single": None, "ddp": "cpu.yaml", "zero3": "zero3.yaml"}

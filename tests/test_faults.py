@@ -189,7 +189,7 @@ def test_overwrite_with_resume_latest_is_refused(tmp_path, args, four_step_run):
 
 
 def test_a_resume_by_path_over_later_checkpoints_is_refused_unless_overwrite(tmp_path):
-    from textclf.checkpointing.output_dir import find_resume_checkpoint
+    from textclf.checkpointing.choice import find_resume_checkpoint
     from textclf.errors import InputError
 
     for step in (2, 4):
@@ -241,7 +241,7 @@ def test_a_torn_log_line_and_a_killed_save_and_rotation_are_cleared_at_resume(tm
 
 def test_keep_log_until_drops_a_torn_last_line_but_refuses_damage_elsewhere(tmp_path, capsys):
     from textclf.errors import InputError
-    from textclf.loop import keep_log_until
+    from textclf.loop.tracking import keep_log_until
 
     rows = [json.dumps({"step": step, "loss": 0.5}) for step in (1, 2, 3)]
     (tmp_path / "log.jsonl").write_bytes(("\n".join(rows) + "\n" + rows[2][:9]).encode() + "\xe4\xbd".encode("latin-1"))
@@ -254,7 +254,7 @@ def test_keep_log_until_drops_a_torn_last_line_but_refuses_damage_elsewhere(tmp_
 
 
 def test_rotation_killed_while_deleting_leaves_no_half_checkpoint_and_the_next_start_clears_it(tmp_path):
-    from textclf.checkpointing import complete_checkpoints
+    from textclf.checkpointing.folders import complete_checkpoints
     from textclf.checkpointing.output_dir import remove_leftovers
 
     for step in (1, 2, 3):  # checkpoints of many small files, so that deleting one takes a while
@@ -292,8 +292,9 @@ def test_a_deletion_or_lock_that_fails_is_one_line_and_leaves_the_checkpoint_who
     """Rotation, a leftover's removal and the output folder's lock fail as one line, not a traceback."""
     import errno
 
-    from textclf.checkpointing import complete_checkpoints, rotate
+    from textclf.checkpointing.folders import complete_checkpoints
     from textclf.checkpointing.output_dir import remove_leftovers, take_lock
+    from textclf.checkpointing.rotation import rotate
     from textclf.errors import InputError
 
     for step in (1, 2):
@@ -339,7 +340,7 @@ BAD_POSITIONS = {
 
 @pytest.mark.parametrize("case", BAD_POSITIONS)
 def test_a_position_outside_the_schedule_is_one_line_per_violation(case):
-    from textclf.checkpointing.resume import check_position
+    from textclf.checkpointing.load import check_position
     from textclf.errors import InputError
 
     changes, messages = BAD_POSITIONS[case]
@@ -443,8 +444,7 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_no_partial_model(t
         assert_refused(result, f"cannot export the model to {out / 'model'}")
         assert "--resume latest" in error_lines(result.stderr)[0]
         assert sorted(p.name for p in out.iterdir()) == [".lock", "eval.jsonl", "log.jsonl", "run.json", "step_2"]
-        from textclf.checkpointing import read_position
-        from textclf.checkpointing.verify import verify_files
+        from textclf.checkpointing.verify import read_position, verify_files
         verify_files(str(out / "step_2"), read_position(str(out / "step_2")))  # still whole
 
 

@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 
-from textclf.checkpointing import POSITION, read_position, read_verified_position, verify_checkpoint
+from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.secret import own_secret
-from textclf.checkpointing.verify import sealed, verify_files
+from textclf.checkpointing.verify import read_position, read_verified_position, sealed, verify_checkpoint, verify_files
 from textclf.errors import InputError
-from textclf.models import load_trained
+from textclf.models.trained import load_trained
 
 # A file of each kind: the weights, the optimizer's moments, the scheduler, an RNG state, the tokenizer.
 FILES = ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "tokenizer/tokenizer.json"]
@@ -90,7 +90,7 @@ def test_the_best_model_s_reload_checks_the_checkpoint_first(step_2, tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.checkpointing import verified_best_checkpoint
+    from textclf.checkpointing.verify import verified_best_checkpoint
 
     flip_byte(step_2 / "model.safetensors")
     best = {"step": 2, "checkpoint": str(step_2), "metrics": {"eval_f1": 0.5}}
@@ -138,8 +138,8 @@ def test_a_new_checkpoint_whose_record_lost_a_sha256_is_refused(step_2):
 # --- What the run says when a checkpoint's position.json is gone, or a write fails before any checkpoint ---
 
 def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path, four_step_run, capsys):
-    from textclf.checkpointing.folders import choose_checkpoint
-    from textclf.checkpointing.output_dir import find_resume_checkpoint
+    from textclf.checkpointing.choice import choose_checkpoint
+    from textclf.checkpointing.choice import find_resume_checkpoint
 
     out = shutil.copytree(four_step_run, tmp_path / "run")
     (out / "step_4" / POSITION).unlink()
@@ -152,8 +152,7 @@ def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path
 
 
 def test_a_failed_log_write_advises_resume_only_when_a_checkpoint_exists(tmp_path):
-    from textclf.loop import JsonLinesTracker
-    from textclf.loop.tracking import LOG
+    from textclf.loop.tracking import LOG, JsonLinesTracker
 
     (tmp_path / LOG).mkdir()  # the log cannot be appended to, as on a full disk
     with pytest.raises(InputError) as refused:

@@ -15,11 +15,10 @@ import torch
 from accelerate import Accelerator
 
 from conftest import OFFLINE, REPO, TINY, assert_refused, read_csv, train_forked, write_csv
-from textclf.data import read_labelled
+from textclf.data.reading import read_labelled
 from textclf.errors import InputError
-from textclf.loop import DivergenceWatch
-from textclf.loop.divergence import diverged
-from textclf.tasks import Task
+from textclf.loop.divergence import DivergenceWatch, diverged
+from textclf.tasks.task import Task
 
 HUGE = 99999999999999999999  # past 64 bits: 2**64 is 18446744073709551616
 
@@ -132,7 +131,7 @@ def test_a_later_divergence_with_labels_of_a_usual_scale_still_blames_the_learni
 ])
 def test_the_watch_names_the_scale_the_task_gives_the_training_labels(tmp_path, task, labels, cause):
     """train.py gives the watch `task.labels_scale` of the training labels."""
-    from textclf.tasks import Task
+    from textclf.tasks.task import Task
 
     scale = Task.of(task, "review", "rating").labels_scale({"labels": labels})
     watch = DivergenceWatch(Accelerator(cpu=True), 5e-5, clipping=True, output_dir=str(tmp_path), labels_scale=scale)

@@ -45,7 +45,7 @@ def test_each_gpu_file_of_the_zoo_is_refused_in_one_line_on_a_machine_without_cu
 
     from textclf.cli import parse_config
     from textclf.errors import InputError
-    from textclf.launch import check_launch_early, cuda_only
+    from textclf.launch.checks import check_launch_early, cuda_only
 
     launched_as(monkeypatch, name)
     with pytest.raises(InputError) as refused:
@@ -63,7 +63,7 @@ def test_the_cpu_files_are_not_refused_on_a_machine_without_cuda(monkeypatch, na
     """cpu.yaml is MULTI_GPU on purpose (train.py forms a gloo group without CUDA), the ZeRO files run on a CPU
     over gloo: with bf16 or more processes than cores, they are still what they say."""
     from textclf.cli import parse_config
-    from textclf.launch import check_launch_early
+    from textclf.launch.checks import check_launch_early
 
     launched_as(monkeypatch, name, launch_args)
     check_launch_early(parse_config(["--report_to", "none"]))
@@ -73,7 +73,7 @@ def test_gpus_named_on_the_launch_line_make_a_gpu_launch_and_asking_for_the_cpu_
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
-    from textclf.launch import gpus_named
+    from textclf.launch.launch_line import gpus_named
 
     def named(name, *launch_args):
         line = launch_command_parser().parse_args(["--config_file", str(name), *launch_args, "train.py"])
@@ -162,10 +162,9 @@ def test_a_resume_refused_twice_names_both_refusals_in_one_launch_before_torch(t
 
 
 def test_the_plan_adds_the_refusals_to_a_list_it_is_given_and_goes_on(tmp_path, monkeypatch):
-    """The check command's use of plan_start: every refusal as a conflict, with the config the resume would train
+    """The check command's use of plan_run: every refusal as a conflict, with the config the resume would train
     with; train.py's raises them together."""
-    from textclf.checkpointing import plan_start
-    from textclf.cli import parse_config
+    from textclf.cli import parse_config, plan_run
     from textclf.errors import InputError
 
     step_10, _ = zero2_checkpoints(tmp_path / "run")
@@ -174,11 +173,11 @@ def test_the_plan_adds_the_refusals_to_a_list_it_is_given_and_goes_on(tmp_path, 
     monkeypatch.chdir(REPO)
     argv = ["--resume", str(step_10), "--seed", "7"]
     refusals = []
-    cfg, start = plan_start(parse_config(argv), argv, refusals)
+    cfg, start = plan_run(parse_config(argv), argv, refusals)
     assert refusals == resume_refusals(step_10, "step_12")
     assert (start.checkpoint, cfg.model, cfg.per_device_train_batch_size) == (str(step_10), "scratch-tiny", 8)
     with pytest.raises(InputError) as refused:
-        plan_start(parse_config(argv), argv)
+        plan_run(parse_config(argv), argv)
     assert str(refused.value).splitlines() == refusals
     argv = ["--resume", str(step_10), "--overwrite_output_dir"]
-    assert plan_start(parse_config(argv), argv)[1].checkpoint == str(step_10)
+    assert plan_run(parse_config(argv), argv)[1].checkpoint == str(step_10)

@@ -19,8 +19,8 @@ from transformers import pipeline
 
 from conftest import PROBE_TEXTS, REPO, TINY, assert_peft_loaders_predict_like_the_trained_model, losses, train_forked
 from matrix import CELLS, DIMENSIONS, LAUNCHES, cell_id, table
-from textclf.models import load_trained, predict_logits
-from textclf.models.folder import weight_files
+from textclf.models.folder import predict_logits, weight_files
+from textclf.models.trained import load_trained
 
 TASKS = {  # name: (the fixture with its files, its options)
     "single_label": ("reviews_csv", []),

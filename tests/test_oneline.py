@@ -20,18 +20,18 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 
 from conftest import OFFLINE, REPO, TINY, assert_refused, free_port, run_train
 from textclf import check
-from textclf.checkpointing import checkpoint_folder, sealed_checkpoint
-from textclf.checkpointing.write import complete
+from textclf.checkpointing.folders import checkpoint_folder
+from textclf.checkpointing.write import complete, sealed_checkpoint
 from textclf.cli import parse_config
 from textclf.config import TrainConfig
-from textclf.data import read_labelled
+from textclf.data.reading import read_labelled
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
-from textclf.launch import check_deepspeed_config
-from textclf.models import load_trained, make_model, model_config
-from textclf.models.build import training_config
+from textclf.launch.deepspeed_config import check_deepspeed_config
+from textclf.models.build import make_model, model_config, training_config
+from textclf.models.trained import load_trained
 from textclf.predict import read_inputs
-from textclf.tasks import Task
+from textclf.tasks.task import Task
 from train import make_accelerator
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import REPO, assert_refused, read_csv, refusal, run_module, write_csv
-from textclf.data import clean_text
-from textclf.models import inference_accelerator, load_trained, predict_logits
+from textclf.data.reading import clean_text
+from textclf.models.folder import predict_logits
+from textclf.models.trained import inference_accelerator, load_trained
 from textclf.predict import main
 
 
@@ -118,8 +119,9 @@ def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny
     """Evaluation's bar on the main process, whatever the eval set's size; predict's from two batches on."""
     from datasets import Dataset
 
-    from textclf.data import length_sorted_loader, tokenize
-    from textclf.tasks import Task
+    from textclf.data.batches import length_sorted_loader
+    from textclf.data.tokenized import tokenize
+    from textclf.tasks.task import Task
     from train import evaluate
 
     model, tokenizer = load_trained(str(tiny_model))

@@ -242,7 +242,7 @@ def test_rotation_keeps_the_newest_and_the_best_and_resume_from_the_best_works(t
 
 
 def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_path):
-    from textclf.checkpointing import rotate
+    from textclf.checkpointing.rotation import rotate
 
     for step, f1 in [(10, 0.9), (20, 0.5), (30, 0.6), (40, 0.7), (50, 0.4)]:
         (tmp_path / f"step_{step}").mkdir()
@@ -253,7 +253,7 @@ def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_pa
 
 
 def test_latest_never_picks_an_incomplete_checkpoint(tmp_path):
-    from textclf.checkpointing.output_dir import find_resume_checkpoint
+    from textclf.checkpointing.choice import find_resume_checkpoint
 
     (tmp_path / "step_10").mkdir()
     (tmp_path / "step_10" / "position.json").write_text("{}")
@@ -461,7 +461,7 @@ def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_
     sets the rate it steps with, and only then."""
     import torch
 
-    from textclf.checkpointing.resume import schedule_the_optimizer_that_steps
+    from textclf.checkpointing.load import schedule_the_optimizer_that_steps
 
     def build():
         weight = torch.nn.Parameter(torch.zeros(4))
@@ -484,9 +484,9 @@ def test_after_a_load_the_schedule_sets_the_learning_rate_of_the_optimizer_that_
 @pytest.mark.parametrize("zoo_file", ["zero2_offload.yaml", "zero3_offload.yaml"])
 def test_an_offloaded_optimizer_resumes_exactly_on_its_schedule(tmp_path, args, zoo_file):
     """DeepSpeed's CPU Adam, which accelerate swaps in for train.py's AdamW: after a load the schedule still sets
-    the learning rate it steps with (checkpointing/resume.py's schedule_the_optimizer_that_steps; without it the
+    the learning rate it steps with (checkpointing/load.py's schedule_the_optimizer_that_steps; without it the
     run went on at the checkpoint's rate, and losses parted from the second resumed update on), and its bias
-    corrections follow the uninterrupted run's running product (checkpointing/resume.py's replay_cpu_adam_steps)."""
+    corrections follow the uninterrupted run's running product (checkpointing/load.py's replay_cpu_adam_steps)."""
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 8, "--save_steps", 4, "--eval_strategy", "no"]
     train([*run, "--output_dir", tmp_path / "full"], config_file=config)
@@ -498,7 +498,8 @@ def test_an_fsdp_sharded_checkpoint_from_elsewhere_needs_allow_pickle(tmp_path, 
     """FSDP needs GPUs to train, so the checkpoint is laid out by hand: torch.distributed.checkpoint reads the
     metadata of FSDP's sharded state with full pickle, which no weights-only read replaces. The run's own checkpoint
     (its signature verified: nothing unproven) loads; one from elsewhere needs the user's say-so, said either way."""
-    from textclf.checkpointing import FSDP_SHARDED, refuse_pickle_unless_allowed
+    from textclf.checkpointing.folders import FSDP_SHARDED
+    from textclf.checkpointing.pickles import refuse_pickle_unless_allowed
     from textclf.errors import InputError
 
     (tmp_path / FSDP_SHARDED).mkdir()
@@ -515,15 +516,23 @@ def test_an_fsdp_sharded_checkpoint_from_elsewhere_needs_allow_pickle(tmp_path, 
 # --- resume by path alone: the checkpoint's config, and what a flag may change ---
 
 def resumed_config(argv):
-    """The config train.py's command line `argv` resumes with (checkpointing.resolve: the checkpoint's under argv's)."""
-    from textclf.checkpointing import resolve
+    """The config train.py's command line `argv` resumes with: the checkpoint's config under argv's, as cli.plan_run
+    parses it, with the refusals of a changed field (resume_rules.check_against)."""
+    from textclf.checkpointing.plan import read_resume
+    from textclf.checkpointing.resume_rules import check_against
     from textclf.cli import parse_config
 
-    return resolve(parse_config(argv), argv)[2]
+    resumed = read_resume(parse_config(argv), [])
+    if resumed is None:  # nothing to resume: a fresh run's config
+        return parse_config(argv)
+    cfg = parse_config(argv, under=resumed.made_with)
+    check_against(resumed.checkpoint, resumed.position, {"config": cfg.to_dict()})
+    return cfg
 
 
 def fake_checkpoint(folder, **made_with):
-    """A step_<N> folder as far as checkpointing.resolve reads it: position.json holding the config it was made with."""
+    """A step_<N> folder as far as checkpointing.plan's read_resume reads it: position.json holding the config it was
+    made with."""
     import dataclasses
 
     from textclf.config import TrainConfig
@@ -540,7 +549,7 @@ def test_a_checkpoint_records_every_key_the_resume_table_rules_on():
     recorded never matches."""
     import ast
 
-    from textclf.checkpointing import RESUME_TABLE
+    from textclf.checkpointing.resume_rules import RESUME_TABLE
 
     made_of = next(node.value for node in ast.walk(ast.parse((REPO / "train.py").read_text()))
                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "made_of")
@@ -570,7 +579,6 @@ def test_resume_latest_finds_the_newest_checkpoint_in_output_dir(tmp_path):
 
 
 def test_resume_auto_starts_fresh_in_an_empty_folder_and_continues_the_newest_checkpoint(tmp_path):
-
     cfg = resumed_config(["--resume", "auto", "--output_dir", str(tmp_path / "run"), "--learning_rate", "0.1"])
     assert cfg.resume == "auto" and cfg.learning_rate == 0.1  # nothing to continue: a fresh run's config
     fake_checkpoint(tmp_path / "run" / "step_4", **{**MADE_WITH, "learning_rate": 0.1})
@@ -753,7 +761,7 @@ def dropout_free_model(tmp_path_factory, tiny_model):
     runs whose global batches split into micro-batches differently."""
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    from textclf.models import save_verified
+    from textclf.models.folder import save_verified
 
     model = BertForSequenceClassification.from_pretrained(tiny_model, hidden_dropout_prob=0.0,
                                                           attention_probs_dropout_prob=0.0)

@@ -10,9 +10,10 @@ from test_integrity import as_an_older_textclf_wrote_it
 from test_resume import assert_same_run
 
 from conftest import TINY, assert_refused, train_forked
-from textclf.checkpointing import POSITION, Start, read_verified_position
+from textclf.checkpointing.folders import POSITION
+from textclf.checkpointing.plan import Start
 from textclf.checkpointing.secret import own_secret
-from textclf.checkpointing.verify import sealed
+from textclf.checkpointing.verify import read_verified_position, sealed
 from textclf.errors import InputError
 
 LEARNT = "data: learnt a tokenizer"

@@ -11,7 +11,7 @@ import train
 from conftest import TINY, assert_refused, run_train
 from textclf.cli import parse_config
 from textclf.errors import InputError
-from textclf.launch import check_trackers, resolve_precision
+from textclf.launch.checks import check_trackers, resolve_precision
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_precision_contradicting_the_launch_is_refused(monkeypatch):
 def test_float16_weights_under_the_fp16_loss_scaler_are_refused_before_torch_loads(monkeypatch):
     """torch's loss scaler refuses to unscale float16 gradients at the first step; DeepSpeed and FSDP train float32
     copies of the weights, and bf16 needs no scaler."""
-    from textclf.launch import check_launch_early
+    from textclf.launch.checks import check_launch_early
 
     float16 = parse_config(["--torch_dtype", "float16", "--report_to", "none"])
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
@@ -67,7 +67,7 @@ def test_float16_weights_under_the_fp16_loss_scaler_are_refused_before_torch_loa
 def test_a_float16_checkpoint_loaded_by_torch_dtype_auto_is_refused_under_fp16_before_the_data(tmp_path, monkeypatch):
     from transformers import BertConfig, BertForSequenceClassification
 
-    from textclf.models import build_job
+    from textclf.models.job import build_job
 
     folder = tmp_path / "fp16_model"
     BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,

@@ -13,9 +13,9 @@ import pytest
 
 from conftest import OFFLINE, REPO, TINY, read_csv, train_forked, write_csv
 from textclf.cli import parse_config
-from textclf.data import sample_key, text_sample, tokenizing_processes, waiting
+from textclf.data.tokenized import sample_key, text_sample, tokenizing_processes, waiting
 from textclf.errors import InputError
-from textclf.models import build_job, load_data
+from textclf.models.job import build_job, load_data
 
 
 def texts_of(batches) -> list[str]:
@@ -146,7 +146,7 @@ def test_the_data_stage_benchmark_writes_its_table(tmp_path, reviews_csv):
 def test_only_the_ids_are_stored_and_the_collator_rebuilds_what_the_model_reads(tmp_path):
     from transformers import BertTokenizerFast, DataCollatorWithPadding
 
-    from textclf.data import tokenize
+    from textclf.data.tokenized import tokenize
     from textclf.models.scratch import train_tokenizer
 
     texts = ["这个手机很好用", "质量太差了，不推荐", "good value", "物流很快", "一般般吧"] * 4

@@ -12,12 +12,20 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, another_user, losses, train_forked
-from textclf.checkpointing import POSITION, authorship, plan_start, read_verified_position
+from textclf.checkpointing.folders import POSITION
+from textclf.checkpointing.load import refuse_other_counts
 from textclf.checkpointing.pickles import FORCE_WEIGHTS_ONLY, weights_only_loads
-from textclf.checkpointing.resume import refuse_other_counts, seen_from_here
+from textclf.checkpointing.plan import seen_from_here
 from textclf.checkpointing.secret import SECRET_FILE, own_secret, read_secret, secret_path
-from textclf.checkpointing.verify import SIGNATURE, SIGNED_FORMAT, own_sha256, sealed
-from textclf.cli import parse_config
+from textclf.checkpointing.verify import (
+    SIGNATURE,
+    SIGNED_FORMAT,
+    authorship,
+    own_sha256,
+    read_verified_position,
+    sealed,
+)
+from textclf.cli import parse_config, plan_run
 from textclf.errors import InputError
 from textclf.files import sha256
 
@@ -104,7 +112,7 @@ def test_a_resealed_edit_is_refused_before_anything_loads(step_2, four_step_run,
     edited(step_2, name, four_step_run, signature)
     argv = ["--resume", str(step_2), "--output_dir", str(step_2.parent / "out")]
     with pytest.raises(InputError) as refused:
-        plan_start(parse_config(argv), argv)
+        plan_run(parse_config(argv), argv)
     lines = str(refused.value).splitlines()
     expected = {"kept": "its position.json is not what this user's run signed (its signature does not verify): it "
                         "was edited; use another checkpoint",

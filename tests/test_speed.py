@@ -134,8 +134,8 @@ def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set
     (torch's legacy allow_tf32); either way the process's setting is back when the run's scope ends."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from textclf.launch import run_scope
-    from textclf.models import speed_up
+    from textclf.launch.process import run_scope
+    from textclf.models.speed import speed_up
 
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     before = (matmul.fp32_precision, conv.fp32_precision)
@@ -157,7 +157,7 @@ def test_tf32_is_set_on_a_gpu_for_the_run_on_or_off_whatever_a_dynamo_launch_set
 def test_a_compiled_run_pads_lengths_into_at_most_eight_buckets():
     from accelerate import Accelerator
 
-    from textclf.models import padding_multiple
+    from textclf.models.speed import padding_multiple
 
     accelerator = Accelerator(cpu=True)
     assert padding_multiple(TrainConfig(), accelerator) is None  # eager fp32: no padding beyond the longest
@@ -237,7 +237,7 @@ def test_deepspeed_cpu_adam_resumed_with_its_steps_replayed_steps_as_if_never_st
     after 20 steps matches the uninterrupted one bit for bit once its steps are replayed, and not without."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from textclf.checkpointing.resume import replay_cpu_adam_steps
+    from textclf.checkpointing.load import replay_cpu_adam_steps
 
     gradients = [torch.randn(64, generator=torch.Generator().manual_seed(step)) for step in range(30)]
 

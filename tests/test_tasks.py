@@ -25,10 +25,11 @@ from test_resume import assert_same_run
 from transformers import AutoModelForSequenceClassification, pipeline
 
 from conftest import ASPECTS, REPO, TASK_EVAL, TASK_TRAIN, TINY, read_csv, read_log, run_module, train_forked
-from textclf.data import clean_text
+from textclf.data.reading import clean_text
 from textclf.errors import InputError
-from textclf.models import load_trained, predict_logits
-from textclf.tasks import Task
+from textclf.models.folder import predict_logits
+from textclf.models.trained import load_trained
+from textclf.tasks.task import Task
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 STEPS, RESUME_AT = 8, 6
@@ -250,7 +251,7 @@ def test_a_task_is_made_by_its_kind():
 
 
 def test_each_kind_in_KINDS_loads_its_class_and_its_main_metric_is_one_of_its_scores():
-    from textclf.tasks import KINDS
+    from textclf.tasks.task import KINDS
 
     for name, kind in KINDS.items():
         cls = kind.load()
@@ -281,7 +282,7 @@ def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
 
 
 def test_the_best_model_and_patience_follow_the_tasks_direction():
-    from textclf.loop import track_best
+    from textclf.loop.best_model import track_best
 
     best = None
     for step, mse in [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.5)]:
@@ -295,7 +296,7 @@ def test_the_best_model_and_patience_follow_the_tasks_direction():
 
 
 def test_rotation_keeps_the_lowest_when_lower_is_better(tmp_path):
-    from textclf.checkpointing import rotate
+    from textclf.checkpointing.rotation import rotate
 
     for step, mse in [(10, 0.5), (20, 0.2), (30, 0.9), (40, 0.7)]:
         (tmp_path / f"step_{step}").mkdir()

@@ -225,7 +225,7 @@ def refusal(args) -> str:
     it would train (what train.py reads before it writes anything)."""
     from textclf.cli import parse_config
     from textclf.errors import InputError
-    from textclf.models import build_job
+    from textclf.models.job import build_job
 
     with pytest.raises(InputError) as refused:
         build_job(parse_config(list(map(str, args))))
@@ -268,8 +268,8 @@ def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_befor
 
 
 def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, capsys):
-    from textclf.data import load_splits
-    from textclf.tasks import Task
+    from textclf.data.splits import load_splits
+    from textclf.tasks.task import Task
 
     rows = "label,review\n" + "".join(f"{i % 2},\ufeff评论{i}\n" for i in range(40)) + "1,\n0,   \n"
     task = Task.of("single_label", text_column="review", label_column="label")
@@ -282,9 +282,10 @@ def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, cap
 def test_tokenization_is_cached_between_runs(tmp_path, reviews_csv):
     from transformers import BertTokenizerFast
 
-    from textclf.data import load_splits, tokenize
+    from textclf.data.splits import load_splits
+    from textclf.data.tokenized import tokenize
     from textclf.models.scratch import train_tokenizer
-    from textclf.tasks import Task
+    from textclf.tasks.task import Task
 
     train, _, _ = load_splits(str(reviews_csv), None, Task.of("single_label", "review", "label"), 0.1, 0)
     train_tokenizer(train["text"], str(tmp_path / "tok"))

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from textclf.data import load_splits
+from textclf.data.splits import load_splits
 from textclf.errors import InputError
-from textclf.tasks import Task
+from textclf.tasks.task import Task
 
 SINGLE = Task.of("single_label", text_column="review", label_column="label")
 
@@ -151,7 +151,7 @@ def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
 def test_an_unknown_or_missing_tracker_is_one_line(monkeypatch):
     import accelerate.tracking
 
-    from textclf.launch import check_trackers
+    from textclf.launch.checks import check_trackers
 
     monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: ["tensorboard"])
     with pytest.raises(InputError, match="--report_to tensorbord: unknown tracker 'tensorbord'; accelerate knows "
@@ -322,7 +322,7 @@ def one_process_yaml(tmp_path):
 
 
 def test_a_launch_that_starts_fewer_processes_than_asked_is_said_by_the_checks_rule(tmp_path):
-    from textclf.launch import launch_shortfall
+    from textclf.launch.checks import launch_shortfall
 
     yaml = one_process_yaml(tmp_path)
     line = launch_shortfall(1, ["--config_file", yaml, "--num_processes", "2", "train.py", "--max_steps", "3"])
@@ -364,7 +364,7 @@ RUN = {"world_size": 1, "zero_stage": None, "mixed_precision": "no"}  # the laun
      "accelerate launch --config_file accelerate_configs/cpu.yaml (ddp.yaml on GPUs) --num_processes 2"),
 ])
 def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, launch):
-    from textclf.checkpointing import check_against
+    from textclf.checkpointing.resume_rules import check_against
 
     run = {**RUN, "distributed_type": "FSDP"} if launch.startswith("FSDP") else RUN
     with pytest.raises(InputError) as refused:
@@ -374,8 +374,8 @@ def test_a_resume_on_another_launch_is_refused_with_the_launch_to_use(position, 
 
 
 def test_a_resume_on_another_number_of_processes_keeps_the_global_batch_or_names_the_ones_that_can():
-    from textclf.checkpointing import batch_split, check_against
-    from textclf.checkpointing.resume import on_this_launch
+    from textclf.checkpointing.resplit import batch_split, on_this_launch
+    from textclf.checkpointing.resume_rules import check_against
 
     made = {"world_size": 2, "gradient_accumulation_steps": 3, "per_device_train_batch_size": 8,
             "global_batch_size": 48, "zero_stage": None, "mixed_precision": "no"}
@@ -497,7 +497,7 @@ def test_fsdp_on_a_machine_without_cuda_is_refused_by_the_check_s_rule_not_run_a
     import sys
 
     from conftest import REPO
-    from textclf.launch import cuda_only
+    from textclf.launch.checks import cuda_only
 
     [(need, fix)] = cuda_only("FSDP", "no")
     result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--output_dir", str(tmp_path / "out")],
@@ -584,7 +584,7 @@ def test_the_launch_read_before_the_imports_is_the_one_the_accelerator_describes
     """What train.py checks a resume against before torch loads; the zoo's runs record the Accelerator's account
     of the same launch in run.json (test_zoo), which this reading must agree with."""
     from conftest import REPO
-    from textclf.launch import this_launch
+    from textclf.launch.checks import this_launch
 
     for name in ("WORLD_SIZE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_DEEPSPEED",
                  "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
@@ -602,7 +602,7 @@ def test_checkpoint_positions_are_read_without_torch_and_name_accelerate_s_fsdp_
     from accelerate.utils.constants import FSDP_MODEL_NAME
 
     from conftest import REPO
-    from textclf.checkpointing import FSDP_SHARDED
+    from textclf.checkpointing.folders import FSDP_SHARDED
 
     assert FSDP_SHARDED == f"{FSDP_MODEL_NAME}_0"  # written out in checkpointing/, which must not import accelerate
     result = subprocess.run([sys.executable, "-X", "importtime", "-c",
@@ -634,8 +634,7 @@ def pretrained_backbone(tmp_path_factory):
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_new_classification_head_is_one_line_and_the_load_report_is_there_when_asked(
         pretrained_backbone, capfd, caplog, monkeypatch, verbose):
-    from textclf.models import make_model
-    from textclf.models.build import training_config
+    from textclf.models.build import make_model, training_config
     from textclf.models.lora import apply_lora
 
     if verbose:
@@ -662,9 +661,9 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
     weights and one for reading them back. Both export inside the run's scope (textclf/launch/process.py)."""
     from transformers.utils import logging as transformers_logging
 
-    from textclf.launch import run_scope
-    from textclf.models import make_model, save_verified
-    from textclf.models.build import training_config
+    from textclf.launch.process import run_scope
+    from textclf.models.build import make_model, training_config
+    from textclf.models.folder import save_verified
 
     if verbose:
         monkeypatch.setenv("TEXTCLF_VERBOSE", "1")
@@ -682,8 +681,7 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
 def test_deepspeeds_cpu_fallback_is_filtered_at_its_logger_unless_verbose(monkeypatch):
     import logging
 
-    from textclf.launch import run_scope
-    from textclf.launch.process import actionable
+    from textclf.launch.process import actionable, run_scope
 
     with run_scope():  # a run's, put back at its end
         assert actionable in logging.getLogger("DeepSpeed").filters
@@ -711,7 +709,7 @@ def test_lines_about_the_data_come_from_rank_0_alone(tmp_path, capsys, monkeypat
 
 
 def test_a_zero_checkpoint_on_another_number_of_processes_goes_through_the_universal_checkpoint():
-    from textclf.checkpointing import needs_universal
+    from textclf.checkpointing.resplit import needs_universal
 
     made = {"world_size": 2, "zero_stage": 3}
     assert needs_universal("ck", made, 1, False) and not needs_universal("ck", made, 2, True)
@@ -726,12 +724,13 @@ def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monk
     beside one (conftest puts one there for the session if there is none), so a test that falls back on the default
     output folder fails here too, and the session fails if a test changed checkpoints/, data/ or wandb/."""
     from conftest import REPO
-    from textclf.checkpointing.output_dir import find_resume_checkpoint
+    from textclf.checkpointing.choice import find_checkpoint
+    from textclf.config import TrainConfig
     from textclf.errors import InputError
 
     monkeypatch.chdir(REPO)
     with pytest.raises(InputError, match="checkpoints already holds checkpoints"):
-        find_resume_checkpoint(None, "checkpoints", overwrite=False)
+        find_checkpoint(TrainConfig())
 
 
 @pytest.mark.parametrize("name", ["cpu", "ddp", "ddp_bf16", "ddp_fp16", "fsdp", "zero2", "zero2_offload", "zero3",
@@ -786,7 +785,7 @@ def test_a_run_s_quiet_libraries_are_put_back_when_it_ends(verbose, monkeypatch)
     import signal
     import warnings
 
-    from textclf.launch import run_scope
+    from textclf.launch.process import run_scope
 
     monkeypatch.setenv("TEXTCLF_VERBOSE", verbose)
     deprecated = "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ..."
@@ -811,7 +810,7 @@ def test_a_library_setting_a_run_changes_is_put_back_when_its_scope_ends():
     after, nested scopes each putting back their own."""
     import torch
 
-    from textclf.launch import run_scope, set_for_the_run
+    from textclf.launch.process import run_scope, set_for_the_run
 
     limit, precision = torch._dynamo.config.recompile_limit, torch.backends.cuda.matmul.fp32_precision
     with pytest.raises(KeyError), run_scope():
@@ -835,7 +834,7 @@ def test_a_compiled_run_takes_down_what_it_set_up_in_accelerate_and_torch_when_i
     from accelerate.utils import DynamoBackend
     from transformers import BertConfig, BertForSequenceClassification
 
-    from textclf.launch import run_scope
+    from textclf.launch.process import run_scope
     from textclf.models.speed import CompileClock, compile_model
 
     accelerator = Accelerator(cpu=True, dynamo_backend="inductor")  # a launch's --dynamo_backend inductor

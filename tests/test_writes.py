@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import OFFLINE, REPO, TINY, run_train
-from textclf.checkpointing import checkpoint_folder, sealed_checkpoint
+from textclf.checkpointing.folders import checkpoint_folder
+from textclf.checkpointing.write import sealed_checkpoint
 from textclf.errors import PEER_ENDED, InputError, write_failed
 
 VICTIM = "another user's file\n"
@@ -74,8 +75,7 @@ def test_run_json_and_its_temporary_file_replace_links_never_write_through_them(
 
 
 def test_a_link_in_place_of_log_jsonl_is_refused_when_appending_and_when_resuming(tmp_path, victim):
-    from textclf.loop import JsonLinesTracker, keep_log_until
-    from textclf.loop.tracking import LOG
+    from textclf.loop.tracking import LOG, JsonLinesTracker, keep_log_until
 
     out = tmp_path / "out"
     plant(out / LOG, victim / "file")
@@ -93,7 +93,7 @@ def test_links_in_place_of_a_step_folder_and_its_temporary_folder_are_replaced(t
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from textclf.checkpointing import read_verified_position
+    from textclf.checkpointing.verify import read_verified_position
 
     out = tmp_path / "out"
     plant(out / ".incomplete_step_2", victim / "folder")
@@ -109,8 +109,7 @@ def test_links_in_place_of_a_step_folder_and_its_temporary_folder_are_replaced(t
 
 
 def test_the_exported_model_replaces_links_at_its_folder_and_its_temporary_folder(tmp_path, victim, tiny_model):
-    from textclf.models import save_verified
-    from textclf.models.folder import load_model_folder
+    from textclf.models.folder import load_model_folder, save_verified
 
     target = tmp_path / "out" / "model"
     plant(target, victim / "folder")

@@ -103,8 +103,7 @@ def listing(folder: Path) -> list[str]:
 @pytest.mark.parametrize("inside", ["--data", "--eval_data", "--model"])
 def test_overwrite_output_dir_is_refused_where_the_folder_holds_what_the_run_reads(tmp_path, reviews_csv, inside,
                                                                                    tiny_model):
-    from textclf.checkpointing import plan_start
-    from textclf.cli import parse_config
+    from textclf.cli import parse_config, plan_run
     from textclf.errors import InputError
 
     out = old_run(tmp_path / "out")
@@ -114,19 +113,19 @@ def test_overwrite_output_dir_is_refused_where_the_folder_holds_what_the_run_rea
     before = listing(out)
     args = [*TINY, "--data", reviews_csv, "--output_dir", out, "--overwrite_output_dir", inside, moved_in]
     with pytest.raises(InputError) as refused:
-        plan_start(parse_config(list(map(str, args))))
+        plan_run(parse_config(list(map(str, args))))
     assert str(refused.value) == (f"--overwrite_output_dir would move the run in {out} aside, and this run reads "
                                   f"{inside} {moved_in} from there; move it out of {out} first, or choose another "
                                   "--output_dir")
     assert listing(out) == before and os.listdir(tmp_path) == ["out"]
     # What it reads elsewhere leaves the old run free to move aside, as before.
     outside = [*TINY, "--data", reviews_csv, "--output_dir", out, "--overwrite_output_dir"]
-    cfg, start = plan_start(parse_config(list(map(str, outside))))
+    cfg, start = plan_run(parse_config(list(map(str, outside))))
     assert start.checkpoint is None
 
 
 def test_a_resume_into_another_folder_may_not_move_aside_the_data_its_checkpoint_recorded(tmp_path):
-    from textclf.checkpointing import find_checkpoint
+    from textclf.checkpointing.plan import read_resume
     from textclf.config import TrainConfig
     from textclf.errors import InputError
 
@@ -137,7 +136,7 @@ def test_a_resume_into_another_folder_may_not_move_aside_the_data_its_checkpoint
     (checkpoint / "position.json").write_text(json.dumps({"config": {"data": str(out / "reviews.csv")}}))
     cfg = TrainConfig(resume=str(checkpoint), output_dir=str(out), overwrite_output_dir=True)
     with pytest.raises(InputError, match=f"reads --data {out / 'reviews.csv'} from there"):
-        find_checkpoint(cfg)
+        read_resume(cfg, [])
 
 
 def test_overwrite_output_dir_with_the_data_inside_is_one_line_from_train_py_and_moves_nothing(tmp_path, reviews_csv,
@@ -154,8 +153,9 @@ def test_overwrite_output_dir_with_the_data_inside_is_one_line_from_train_py_and
 # --- A resume through a link ---------------------------------------------------------------------------------
 
 def test_a_resume_through_a_link_goes_on_in_the_checkpoint_s_real_folder_and_locks_it(tmp_path, accelerator):
-    from textclf.checkpointing import claim_output_dir, find_checkpoint
-    from textclf.checkpointing.resume import config_of
+    from textclf.checkpointing.choice import find_checkpoint
+    from textclf.checkpointing.output_dir import claim_output_dir
+    from textclf.checkpointing.plan import config_of
     from textclf.config import TrainConfig
 
     real = old_run(tmp_path / "run")
@@ -193,8 +193,7 @@ def test_train_py_resumed_through_a_link_continues_in_the_real_folder(tmp_path, 
 # --- The exported folder's modes --------------------------------------------------------------------------------
 
 def test_the_exported_files_all_get_the_mode_of_a_new_file(tmp_path, tiny_model):
-    from textclf.models import save_verified
-    from textclf.models.folder import load_model_folder
+    from textclf.models.folder import load_model_folder, save_verified
 
     model, tokenizer = load_model_folder(str(tiny_model))
     mask = os.umask(0o022)
@@ -232,7 +231,7 @@ def full_disk(*args, **kwargs):
 def test_a_failed_claim_removes_the_empty_folders_it_made_and_keeps_what_was_there(tmp_path, accelerator,
                                                                                     monkeypatch):
     from textclf import files
-    from textclf.checkpointing import claim_output_dir
+    from textclf.checkpointing.output_dir import claim_output_dir
     from textclf.errors import InputError
 
     monkeypatch.setattr(files, "open_lock", full_disk)

@@ -24,7 +24,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Optional
 
-from textclf.cli import parse_config
+from textclf.cli import parse_config, plan_run
 from textclf.config import TrainConfig, require_data
 from textclf.errors import InputError, run_command
 
@@ -64,7 +64,6 @@ if __name__ == "__main__":
 import torch
 from accelerate.utils import patch_environment
 
-from textclf.checkpointing import check_against, plan_start, read_verified_position
 from textclf.data import sample_key
 from textclf.launch import (
     BYTES_PER_PARAM,
@@ -414,17 +413,16 @@ def planned_resume(cfg: TrainConfig, training_args: list[str], launch: dict,
                    conflicts: list[str]) -> tuple[TrainConfig, Optional[str]]:
     """The config a resume trains with on this launch (the checkpoint's under the command line's, split to keep its
     global batch) and the report's line for it (None without a checkpoint, or with a conflict). Planned by
-    train.py's own plan_start in the environment this launch gives its ranks: each refusal train.py would raise
+    train.py's own plan_run in the environment this launch gives its ranks: each refusal train.py would raise
     before torch loads is a conflict, all of them in one check."""
     refusals = []
     with patch_environment(**launch["environment"], WORLD_SIZE=launch["num_processes"]):
-        cfg, start = plan_start(cfg, training_args, refusals)
+        cfg, start = plan_run(cfg, training_args, refusals)
     conflicts += refusals
     if start.checkpoint is None or refusals:
         return cfg, None
     path = start.checkpoint
-    rescaled = check_against(path, read_verified_position(path), {"world_size": launch["num_processes"]})
-    return cfg, f"{path}: " + (rescaled.removeprefix(f"resuming {path}, ") if rescaled else
+    return cfg, f"{path}: " + (start.resplit.removeprefix(f"resuming {path}, ") if start.resplit else
                                f"the launch that made it, micro-batch {cfg.per_device_train_batch_size} and gradient "
                                f"accumulation {cfg.gradient_accumulation_steps}")
 

@@ -10,7 +10,6 @@ line wins.
 import argparse
 import dataclasses
 import difflib
-import os
 import re
 import sys
 import typing
@@ -18,8 +17,9 @@ from typing import Literal, Optional
 
 import yaml
 
+from textclf.checkpointing import Start, plan_start, read_resume
 from textclf.config import HELP_SECTIONS, TrainConfig, field_helps, field_names, require_local_model
-from textclf.errors import InputError
+from textclf.errors import InputError, say
 from textclf.tasks import KINDS
 
 
@@ -124,6 +124,35 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
                          "options are given as --key value (see `python train.py --help`)")
     require_local_model(cfg.model)
     return cfg
+
+
+def plan_run(cfg: TrainConfig, argv: Optional[list[str]] = None,
+             refusals: Optional[list[str]] = None) -> tuple[TrainConfig, Start]:
+    """The config this run trains with, and where it starts; before torch is imported. A resume's checkpoint is read
+    first, and `argv` (the command line that made `cfg`) parsed again over the config it was made with: what the
+    command line does not set comes from the checkpoint. Without `argv` (a config built in code) `cfg` is taken as
+    it is, and must agree with the checkpoint.
+
+    A resume's refusals are named together, one line each of one InputError, so that one launch says all that must
+    change, not one a launch; with `refusals` (the check command, which calls them conflicts) they are added there
+    instead, and the plan goes on as far as it can. One the plan cannot go on after (the output folder in use, a
+    position.json that is not the one saved) ends it at once, after those found before it."""
+    gathered = [] if refusals is None else refusals
+    try:
+        resumed = read_resume(cfg, gathered)
+        if resumed is not None and resumed.made_with is not None and argv is not None:
+            cfg = parse_config(argv, under=resumed.made_with)
+        cfg, start = plan_start(cfg, resumed, gathered)
+    except InputError as e:
+        if refusals is None and gathered:
+            raise InputError("\n".join([*gathered, str(e)])) from None
+        raise
+    if refusals is None:
+        if gathered:
+            raise InputError("\n".join(gathered))
+        if start.resplit:
+            say(start.resplit)
+    return cfg, start
 
 
 class RecipeLoader(yaml.SafeLoader):
@@ -243,9 +272,3 @@ def add_loading_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="run the Python code a model folder ships for its config, model or tokenizer (its "
                         "auto_map); without it such a folder is refused, never prompted (trusted folders only)")
-
-
-def require_trained_model(path: str) -> None:
-    """What predict, report and export read must be a folder: said before the heavy imports."""
-    if not os.path.isdir(path):
-        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")

@@ -388,3 +388,9 @@ def require_data(*paths: Optional[str]) -> None:
     for path in paths:
         if path is not None and path != DEFAULT_DATA and not os.path.exists(path):
             raise InputError(f"data not found: {path}; check the path (expected {DATA_FORMATS})")
+
+
+def require_trained_model(path: str) -> None:
+    """What predict, report and export read must be a folder: said before the heavy imports."""
+    if not os.path.isdir(path):
+        raise InputError(f"model not found: {path} (expected a model folder or a step_<N> checkpoint)")

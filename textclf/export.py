@@ -12,7 +12,8 @@ the target's place: no empty tensor, it reloads, and it predicts what the traine
 import argparse
 from typing import Optional
 
-from textclf.cli import add_loading_options, require_trained_model
+from textclf.cli import add_loading_options
+from textclf.config import require_trained_model
 from textclf.errors import run_command
 
 

@@ -18,8 +18,8 @@ import sys
 from typing import Optional
 
 from textclf import files
-from textclf.cli import add_loading_options, add_task_options, require_trained_model
-from textclf.config import DEFAULT_DATA, HELD_OUT, TrainConfig, require_data
+from textclf.cli import add_loading_options, add_task_options
+from textclf.config import DEFAULT_DATA, HELD_OUT, TrainConfig, require_data, require_trained_model
 from textclf.errors import InputError, die_with_launcher, run_command, write_failed
 
 REPORT = "report.json"

@@ -8,36 +8,20 @@ its evaluation, config and loss windows, and the size and sha256 of every file, 
 proves that this user's run wrote it) and sealed by a sha256 of its own.
 """
 
-from .folders import (
-    FSDP_SHARDED,
-    POSITION,
-    STEP_DIR,
-    checkpoint_folder,
-    complete_checkpoints,
-    find_best_checkpoint,
-    step_folders,
-)
-from .output_dir import claim_output_dir, find_checkpoint
+from .choice import find_best_checkpoint
+from .folders import FSDP_SHARDED, POSITION, STEP_DIR, checkpoint_folder, complete_checkpoints
+from .load import check_resume, resuming
+from .output_dir import claim_output_dir
 from .pickles import refuse_pickle_unless_allowed, weights_only_loads
-from .resume import (
-    RESUME_TABLE,
-    Start,
-    batch_split,
-    check_against,
-    needs_universal,
-    plan_start,
-    resolve,
-    resuming,
-)
-from .rotation import delete_folder, rotate
+from .plan import Start, plan_start, read_resume
+from .resume_rules import check_against
+from .rotation import rotate
 from .verify import authorship, read_position, read_verified_position, verified_best_checkpoint, verify_checkpoint
 from .write import continue_advice, sealed_checkpoint
 
 __all__ = [
-    "FSDP_SHARDED", "POSITION", "RESUME_TABLE", "STEP_DIR", "Start", "authorship", "batch_split", "check_against",
-    "checkpoint_folder", "claim_output_dir", "complete_checkpoints", "continue_advice", "delete_folder",
-    "find_best_checkpoint", "find_checkpoint", "needs_universal", "plan_start", "read_position",
-    "read_verified_position", "refuse_pickle_unless_allowed", "resolve", "resuming", "rotate", "sealed_checkpoint",
-    "step_folders", "weights_only_loads",
-    "verified_best_checkpoint", "verify_checkpoint",
+    "FSDP_SHARDED", "POSITION", "STEP_DIR", "Start", "authorship", "check_against", "check_resume",
+    "checkpoint_folder", "claim_output_dir", "complete_checkpoints", "continue_advice", "find_best_checkpoint",
+    "plan_start", "read_position", "read_resume", "read_verified_position", "refuse_pickle_unless_allowed",
+    "resuming", "rotate", "sealed_checkpoint", "verified_best_checkpoint", "verify_checkpoint", "weights_only_loads",
 ]

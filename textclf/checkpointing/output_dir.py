@@ -18,7 +18,8 @@ from textclf import files
 from textclf.config import TrainConfig
 from textclf.errors import InputError, checked_on_main_process, write_failed
 
-from .folders import LEFTOVERS, LOCK, choose_checkpoint, later_checkpoints, warn_of_lost_positions
+from .choice import choose_checkpoint, later_checkpoints, resolved_checkpoint
+from .folders import LEFTOVERS, LOCK
 from .secret import own_secret
 from .verify import read_position
 
@@ -227,36 +228,10 @@ def refuse_a_file(output_dir: str) -> None:
                          "that file away)")
 
 
-def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
-    """The checkpoint to resume from, or None to start fresh; refuses to mix runs in one folder."""
+def refuse_unusable(output_dir: str) -> None:
+    """Stop early where the run cannot take output_dir: a file is there, or another run holds it."""
     refuse_a_file(output_dir)
     refuse_if_in_use(output_dir)
-    path = choose_checkpoint(resume, output_dir, overwrite)
-    if resume == "latest":
-        warn_of_lost_positions(output_dir, path)
-    return path
-
-
-def find_checkpoint(cfg: TrainConfig) -> Optional[str]:
-    """The checkpoint that --resume names, or None for a fresh run; refuses to mix runs in one folder, and an
-    --overwrite_output_dir that would move aside what the run reads."""
-    resume = resolved_checkpoint(cfg.resume)
-    output_dir = cfg.output_dir  # the folder the run goes on in: the one given, or a step_<N> path's own
-    if resume not in (None, "latest", "auto") and output_dir == TrainConfig.output_dir:
-        output_dir = os.path.dirname(os.path.normpath(resume)) or "."
-    path = find_resume_checkpoint(resume, output_dir, cfg.overwrite_output_dir)
-    if cfg.overwrite_output_dir:
-        refuse_moving_what_it_reads(cfg, output_dir, path)
-    return path
-
-
-def resolved_checkpoint(resume: Optional[str]) -> Optional[str]:
-    """--resume <path> with the links on its way resolved, where it has any (else as given, as messages name it):
-    a run resumed through a link goes on in the checkpoint's real folder, and locks that one."""
-    if resume in (None, "latest", "auto"):
-        return resume
-    real = os.path.realpath(resume)
-    return real if real != os.path.abspath(resume) else resume
 
 
 def refuse_moving_what_it_reads(cfg: TrainConfig, output_dir: str, checkpoint: Optional[str]) -> None:

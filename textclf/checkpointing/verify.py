@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Iterable, Optional
 from textclf.errors import InputError, checked_on_main_process
 from textclf.files import sha256_all
 
-from .folders import POSITION, find_best_checkpoint
+from .choice import find_best_checkpoint
+from .folders import POSITION
 from .pickles import refuse_pickle_unless_allowed, weights_only_loads
 from .secret import read_secret, secret_id, secret_path, signature, signature_matches
 

@@ -26,8 +26,7 @@ from textclf.checkpointing import (
     verify_checkpoint,
     weights_only_loads,
 )
-from textclf.cli import require_trained_model
-from textclf.config import TrainConfig
+from textclf.config import TrainConfig, require_trained_model
 from textclf.errors import InputError
 
 from .build import lora_settings, make_model
