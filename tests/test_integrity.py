@@ -138,8 +138,7 @@ def test_a_new_checkpoint_whose_record_lost_a_sha256_is_refused(step_2):
 # --- What the run says when a checkpoint's position.json is gone, or a write fails before any checkpoint ---
 
 def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path, four_step_run, capsys):
-    from textclf.checkpointing.choice import choose_checkpoint
-    from textclf.checkpointing.choice import find_resume_checkpoint
+    from textclf.checkpointing.choice import choose_checkpoint, find_resume_checkpoint
 
     out = shutil.copytree(four_step_run, tmp_path / "run")
     (out / "step_4" / POSITION).unlink()
