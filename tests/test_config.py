@@ -135,19 +135,23 @@ def test_every_field_is_documented_by_the_docstring_under_it():
     from textclf.tasks.task import KINDS
 
     helps = field_helps()
-    assert list(helps) == field_names() and all(helps.values())
+    assert list(helps) == field_names()
+    undocumented = [name for name, help_text in helps.items() if not help_text]
+    assert not undocumented, f"TrainConfig field(s) {', '.join(undocumented)} have no docstring: write each one's " \
+                             "help as a string on the line under it"
     assert all(f"{kind}: " in helps["task"] for kind in KINDS) and "{" not in "".join(helps.values())  # filled in
     assert helps["delimiter"].startswith("Field delimiter of a delimited text file (e.g. '\\t', ';', '|'); default")
 
+
+def test_a_field_without_a_help_string_stops_no_run():
+    """A fork adds a field and forgets its docstring: --help and every run still work (the test above names it)."""
     @dataclasses.dataclass
     class Fork:
         documented: int = 1
         """Its help."""
         undocumented: int = 2
-        also_undocumented: list[str] = dataclasses.field(default_factory=list)
 
-    with pytest.raises(TypeError, match="Fork field.s. undocumented, also_undocumented have no docstring"):
-        field_helps(Fork)
+    assert field_helps(Fork) == {"documented": "Its help.", "undocumented": ""}
 
 
 @pytest.fixture(scope="module")

@@ -355,14 +355,11 @@ PATH_FIELDS = tuple(name for name, marks in field_marks().items() if LOCAL_PATH 
 
 def field_helps(cls: type = TrainConfig) -> dict[str, str]:
     """Each field's help: the string under it in the class's source (litgpt's convention), on one line, with the
-    tables named in braces written out. A field without one stops every run."""
+    tables named in braces written out; '' for a field without one (tests/test_config.py names it)."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {node.target.id: doc.value.value for node, doc in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
             and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
-    undocumented = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
-    if undocumented:
-        raise TypeError(f"{cls.__name__} field(s) {', '.join(undocumented)} have no docstring: write each one's help "
-                        "as a string on the line under it")
+    docs = {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
     fills = {"KINDS": "; ".join(f"{name}: {kind.about}" for name, kind in KINDS.items()),
              "main_metrics": ", ".join(kind.main_metric for kind in KINDS.values()),
              "DEFAULT_LEARNING_RATES": ", ".join(f"{rate:g} for {models}"

@@ -8,20 +8,18 @@ its evaluation, config and loss windows, and the size and sha256 of every file, 
 proves that this user's run wrote it) and sealed by a sha256 of its own.
 """
 
-from .choice import find_best_checkpoint
 from .folders import FSDP_SHARDED, POSITION, STEP_DIR, checkpoint_folder, complete_checkpoints
 from .load import check_resume, resuming
 from .output_dir import claim_output_dir
 from .pickles import refuse_pickle_unless_allowed, weights_only_loads
 from .plan import Start, plan_start, read_resume
-from .resume_rules import check_against
 from .rotation import rotate
 from .verify import authorship, read_position, read_verified_position, verified_best_checkpoint, verify_checkpoint
 from .write import continue_advice, sealed_checkpoint
 
 __all__ = [
-    "FSDP_SHARDED", "POSITION", "STEP_DIR", "Start", "authorship", "check_against", "check_resume",
-    "checkpoint_folder", "claim_output_dir", "complete_checkpoints", "continue_advice", "find_best_checkpoint",
+    "FSDP_SHARDED", "POSITION", "STEP_DIR", "Start", "authorship", "check_resume",
+    "checkpoint_folder", "claim_output_dir", "complete_checkpoints", "continue_advice",
     "plan_start", "read_position", "read_resume", "read_verified_position", "refuse_pickle_unless_allowed",
     "resuming", "rotate", "sealed_checkpoint", "verified_best_checkpoint", "verify_checkpoint", "weights_only_loads",
 ]

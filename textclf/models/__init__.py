@@ -14,13 +14,13 @@ from .build import (
     parameter_groups,
 )
 from .folder import export_model, predict_logits, refuse_existing, save_verified
-from .job import Job, build_job, load_data
+from .job import build_job, load_data
 from .scratch import SCRATCH_VOCAB_SIZE, scratch_config, scratch_size, scratch_tokenizer_folder
 from .speed import padding_multiple, speed_up
 from .trained import inference_accelerator, label_names, load_trained, read_training, run_config
 
 __all__ = [
-    "Job", "SCRATCH_VOCAB_SIZE", "build_job", "embedding_holders", "export_model", "in_units", "inference_accelerator",
+    "SCRATCH_VOCAB_SIZE", "build_job", "embedding_holders", "export_model", "in_units", "inference_accelerator",
     "label_names", "layer_classes", "load_data", "load_trained", "lora_settings", "make_model", "model_config",
     "padding_multiple", "parameter_counts", "parameter_groups", "predict_logits", "read_training", "refuse_existing",
     "run_config", "save_verified", "scratch_config", "scratch_size", "scratch_tokenizer_folder", "speed_up",

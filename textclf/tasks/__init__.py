@@ -2,6 +2,6 @@
 KINDS registers each kind by what the command line needs before any data is read; a kind's class is imported when a
 run asks for it."""
 
-from .task import KINDS, Kind, Task, format_score, label_table
+from .task import KINDS, Task, format_score
 
-__all__ = ["KINDS", "Kind", "Task", "format_score", "label_table"]
+__all__ = ["KINDS", "Task", "format_score"]
