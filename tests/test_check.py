@@ -14,6 +14,7 @@ from conftest import REPO, TINY, run_train
 from textclf import check
 from textclf.cli import parse_config
 from textclf.config import DATA_FORMATS
+from textclf.launch.conflicts import cpu_has_native_bf16
 from textclf.launch.estimates import model_state_bytes
 
 ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -436,9 +437,9 @@ def test_bf16_warns_on_a_cpu_without_native_bf16(capsys, monkeypatch, tmp_path):
     with_bf16, without_bf16 = tmp_path / "with", tmp_path / "without"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
     without_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-    assert check.cpu_has_native_bf16(str(with_bf16)) and not check.cpu_has_native_bf16(str(without_bf16))
+    assert cpu_has_native_bf16(str(with_bf16)) and not cpu_has_native_bf16(str(without_bf16))
 
-    monkeypatch.setattr(check, "cpu_has_native_bf16", lambda: False)  # the flags of an AVX2-only CPU
+    monkeypatch.setattr("textclf.launch.conflicts.cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
     status, _, err = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu",
                                "--mixed_precision", "bf16")
     assert status == 0
