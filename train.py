@@ -162,11 +162,14 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                "global_batch_size": run["global_batch_size"], "model": cfg.model, "lora": cfg.lora,
                "data_fingerprint": job.data_fingerprint}
-    # A resume checks its checkpoint against the run just built, before the run takes output_dir: a refusal leaves
-    # nothing behind. The run then holds output_dir until it ends (one run at a time), and writes to it from here on.
-    checkpointing.check_resume(accelerator, start, cfg, made_of, **vars(schedule))
-    checkpointing.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, start.checkpoint)
-    if start.checkpoint is not None:
+    # The run holds output_dir until it ends (one run at a time), and writes to it from then on. A resume first checks
+    # its checkpoint against the run just built, so that a refusal leaves nothing behind, then loads it.
+    if start.checkpoint is None:
+        checkpointing.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir, None)
+    else:
+        checkpointing.check_resume(accelerator, start, cfg, made_of, **vars(schedule))
+        checkpointing.claim_output_dir(accelerator, cfg.output_dir, cfg.resume, cfg.overwrite_output_dir,
+                                       start.checkpoint)
         with checkpointing.resuming(accelerator, optimizer, scheduler, start, cfg) as folder:
             accelerator.load_state(folder)  # weights, optimizer, schedule, RNG states, the data loaders' place
     position = start.position

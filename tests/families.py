@@ -18,7 +18,7 @@ def family_tokenizer(family: str, texts: list[str], folder):
     from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, trainers
     from transformers import BertTokenizerFast, GPT2TokenizerFast, LlamaTokenizerFast, Qwen2TokenizerFast
 
-    from textclf.models.scratch import train_tokenizer
+    from textclf.models.tokenizer import train_tokenizer
 
     if family == "bert":
         train_tokenizer(texts, str(folder))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import TINY, read_log, run_train
-from textclf.checkpointing.choice import find_best_checkpoint
+from textclf.checkpointing.folders import find_best_checkpoint
 from textclf.checkpointing.verify import verified_best_checkpoint
 from textclf.loop.best_model import record_best_model, track_best
 from textclf.loop.schedule import due, patience_ran_out

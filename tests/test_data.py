@@ -124,7 +124,7 @@ def test_a_file_that_cannot_be_read_is_one_line_naming_the_cause_and_what_to_do(
 
 
 def test_a_tsv_named_csv_that_parses_as_one_column_points_at_the_delimiter(tmp_path):
-    from textclf.data.splits import load_splits
+    from textclf.data.examples import load_splits
     from textclf.tasks.task import Task
 
     path = write(tmp_path / "tabs.csv", "label\treview\npositive\t好\nnegative\t差\n".encode())
@@ -156,7 +156,7 @@ def test_a_damaged_tokenizer_cache_is_one_line_and_learnt_again_once_deleted(tmp
     import shutil
 
     from textclf.errors import InputError
-    from textclf.models.build import get_tokenizer
+    from textclf.models.tokenizer import get_tokenizer
 
     texts = ["这家店的菜很好吃", "太难吃了，再也不会买了", "送餐很快", "质量很差"] * 20
     learnt = get_tokenizer("scratch-tiny", texts, str(tmp_path), "key", 32)
@@ -182,7 +182,7 @@ def test_the_held_out_split_nobody_asked_for_is_capped_and_one_asked_for_is_not(
     The same draw every time: a resume and the report rebuild it."""
     from datasets import Dataset
 
-    from textclf.data.splits import hold_out
+    from textclf.data.examples import hold_out
     from textclf.tasks.task import Task
 
     task = Task.of("single_label", "review", "label")
@@ -225,8 +225,7 @@ def test_eval_split_is_a_fraction_or_a_number_of_examples(eval_split, valid):
                                                     {"query": "问2", "answer": "答2", "label": "no"}]),
 ])
 def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examples(tmp_path, kind, columns, rows):
-    from textclf.data.reading import read_labelled
-    from textclf.data.splits import write_examples
+    from textclf.data.examples import read_labelled, write_examples
     from textclf.tasks.task import Task
 
     task = Task.of(kind, *columns)
@@ -246,8 +245,7 @@ def test_written_examples_are_the_data_s_columns_and_read_back_as_the_same_examp
 
 def test_a_text_column_called_text_is_fingerprinted_as_any_other(tmp_path):
     """`datasets` hands a file's own `text` column on as large_string, which Arrow's join did not take."""
-    from textclf.data.reading import read_labelled
-    from textclf.data.splits import fingerprint
+    from textclf.data.examples import fingerprint, read_labelled
     from textclf.tasks.task import Task
 
     rows = "".join(f"{i % 2},评论{i}\n" for i in range(6))

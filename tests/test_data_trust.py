@@ -1,5 +1,5 @@
 """The caches `datasets` writes of the data (the table read, its columns chosen, the tokenized examples) are trusted
-only as written (textclf/data/checksums.py): a cache file whose bytes or size differ from the checksum recorded
+only as written (textclf/data/reading.py): a cache file whose bytes or size differ from the checksum recorded
 beside it, or that has no record, is removed and made again from the data, in one line; a valid cache is read as it
 is."""
 
@@ -11,8 +11,8 @@ import datasets
 import pytest
 
 from conftest import TINY, read_csv, train_forked, write_csv
-from textclf.data.checksums import CHECKSUM_SUFFIX
-from textclf.data.splits import load_splits
+from textclf.data.examples import load_splits
+from textclf.data.reading import CHECKSUM_SUFFIX
 from textclf.data.tokenized import tokenize
 from textclf.tasks.task import Task
 
@@ -24,7 +24,7 @@ def examples(tmp_path, reviews_csv, monkeypatch):
     """(the training split of the reviews, read into a `datasets` cache of this test's own, a tokenizer for it)."""
     from transformers import BertTokenizerFast
 
-    from textclf.models.scratch import train_tokenizer
+    from textclf.models.tokenizer import train_tokenizer
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     train, _, _ = load_splits(str(reviews_csv), None, Task.of("single_label", "review", "label"), 0.1, 0)

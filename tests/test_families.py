@@ -33,9 +33,10 @@ from families import FAMILIES
 from textclf import check
 from textclf.cli import parse_config
 from textclf.errors import InputError
-from textclf.models.build import get_tokenizer, make_model, model_config, parameter_groups, training_config
+from textclf.models.build import make_model, model_config, parameter_groups, training_config
 from textclf.models.folder import predict_logits
 from textclf.models.lora import apply_lora
+from textclf.models.tokenizer import get_tokenizer
 from textclf.models.trained import load_trained
 from textclf.tasks.task import Task
 

@@ -189,7 +189,7 @@ def test_overwrite_with_resume_latest_is_refused(tmp_path, args, four_step_run):
 
 
 def test_a_resume_by_path_over_later_checkpoints_is_refused_unless_overwrite(tmp_path):
-    from textclf.checkpointing.choice import find_resume_checkpoint
+    from textclf.checkpointing.folders import find_resume_checkpoint
     from textclf.errors import InputError
 
     for step in (2, 4):

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from textclf.checkpointing.folders import POSITION
-from textclf.checkpointing.secret import own_secret
-from textclf.checkpointing.verify import read_position, read_verified_position, sealed, verify_checkpoint, verify_files
+from textclf.checkpointing.seal import own_secret, sealed
+from textclf.checkpointing.verify import read_position, read_verified_position, verify_checkpoint, verify_files
 from textclf.errors import InputError
 from textclf.models.trained import load_trained
 
@@ -138,7 +138,7 @@ def test_a_new_checkpoint_whose_record_lost_a_sha256_is_refused(step_2):
 # --- What the run says when a checkpoint's position.json is gone, or a write fails before any checkpoint ---
 
 def test_a_deleted_position_json_is_named_when_resume_latest_falls_back(tmp_path, four_step_run, capsys):
-    from textclf.checkpointing.choice import choose_checkpoint, find_resume_checkpoint
+    from textclf.checkpointing.folders import choose_checkpoint, find_resume_checkpoint
 
     out = shutil.copytree(four_step_run, tmp_path / "run")
     (out / "step_4" / POSITION).unlink()

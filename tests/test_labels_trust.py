@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from conftest import OFFLINE, REPO, TINY, assert_refused, read_csv, train_forked, write_csv
-from textclf.data.reading import read_labelled
+from textclf.data.examples import read_labelled
 from textclf.errors import InputError
 from textclf.loop.divergence import DivergenceWatch, diverged
 from textclf.tasks.task import Task

@@ -24,7 +24,7 @@ from textclf.checkpointing.folders import checkpoint_folder
 from textclf.checkpointing.write import complete, sealed_checkpoint
 from textclf.cli import parse_config
 from textclf.config import TrainConfig
-from textclf.data.reading import read_labelled
+from textclf.data.examples import read_labelled
 from textclf.errors import PEER_ENDED, InputError, peer_ended, run_command
 from textclf.export import export_checkpoint
 from textclf.launch.deepspeed_config import check_deepspeed_config

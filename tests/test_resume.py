@@ -253,7 +253,7 @@ def test_rotation_rule_spares_an_old_best_and_the_checkpoint_resumed_from(tmp_pa
 
 
 def test_latest_never_picks_an_incomplete_checkpoint(tmp_path):
-    from textclf.checkpointing.choice import find_resume_checkpoint
+    from textclf.checkpointing.folders import find_resume_checkpoint
 
     (tmp_path / "step_10").mkdir()
     (tmp_path / "step_10" / "position.json").write_text("{}")
@@ -287,8 +287,7 @@ def set_position(**changes):
     """Edit position.json and sign it again with this user's secret, as a run that wrote those values would have: what
     refuses it is then the check after the signature's (tests/test_integrity.py shows an edit that is not signed
     refused)."""
-    from textclf.checkpointing.secret import own_secret
-    from textclf.checkpointing.verify import sealed
+    from textclf.checkpointing.seal import own_secret, sealed
 
     def edit(folder):
         position = json.loads((folder / "position.json").read_text())
@@ -300,7 +299,7 @@ def record_files(folder):
     """Make position.json's list of files agree with what is there, as someone editing the checkpoint would, who has
     not this user's secret: the signature goes (a checkpoint from elsewhere), the sha256 is made again, and what
     refuses the checkpoint is then the check after the signature's."""
-    from textclf.checkpointing.verify import SIGNATURE, SIGNED_FORMAT, sealed
+    from textclf.checkpointing.seal import SIGNATURE, SIGNED_FORMAT, sealed
     from textclf.checkpointing.write import manifest
 
     position = json.loads((folder / "position.json").read_text())

@@ -12,8 +12,8 @@ from test_resume import assert_same_run
 from conftest import TINY, assert_refused, train_forked
 from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.plan import Start
-from textclf.checkpointing.secret import own_secret
-from textclf.checkpointing.verify import read_verified_position, sealed
+from textclf.checkpointing.seal import own_secret, sealed
+from textclf.checkpointing.verify import read_verified_position
 from textclf.errors import InputError
 
 LEARNT = "data: learnt a tokenizer"
@@ -82,7 +82,7 @@ def test_a_resume_s_tokenizer_folder_is_verified_before_it_is_used(step_2):
 
 
 def test_get_tokenizer_takes_the_saved_one_and_learns_nothing(step_2, tmp_path, capsys):
-    from textclf.models.build import get_tokenizer
+    from textclf.models.tokenizer import get_tokenizer
 
     empty = tmp_path / "empty_cache"
     tokenizer = get_tokenizer("scratch-tiny", iter(["unused"]), str(empty), "key", 32,

@@ -13,9 +13,10 @@ import pytest
 
 from conftest import OFFLINE, REPO, TINY, read_csv, train_forked, write_csv
 from textclf.cli import parse_config
-from textclf.data.tokenized import sample_key, text_sample, tokenizing_processes, waiting
+from textclf.data.tokenized import tokenizing_processes, waiting
 from textclf.errors import InputError
 from textclf.models.job import build_job, load_data
+from textclf.models.tokenizer import sample_key, text_sample
 
 
 def texts_of(batches) -> list[str]:
@@ -147,7 +148,7 @@ def test_only_the_ids_are_stored_and_the_collator_rebuilds_what_the_model_reads(
     from transformers import BertTokenizerFast, DataCollatorWithPadding
 
     from textclf.data.tokenized import tokenize
-    from textclf.models.scratch import train_tokenizer
+    from textclf.models.tokenizer import train_tokenizer
 
     texts = ["这个手机很好用", "质量太差了，不推荐", "good value", "物流很快", "一般般吧"] * 4
     train_tokenizer(texts, str(tmp_path / "tok"))

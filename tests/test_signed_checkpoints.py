@@ -16,15 +16,17 @@ from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.load import refuse_other_counts
 from textclf.checkpointing.pickles import FORCE_WEIGHTS_ONLY, weights_only_loads
 from textclf.checkpointing.plan import seen_from_here
-from textclf.checkpointing.secret import SECRET_FILE, own_secret, read_secret, secret_path
-from textclf.checkpointing.verify import (
+from textclf.checkpointing.seal import (
+    SECRET_FILE,
     SIGNATURE,
     SIGNED_FORMAT,
-    authorship,
+    own_secret,
     own_sha256,
-    read_verified_position,
+    read_secret,
     sealed,
+    secret_path,
 )
+from textclf.checkpointing.verify import authorship, read_verified_position
 from textclf.cli import parse_config, plan_run
 from textclf.errors import InputError
 from textclf.files import sha256

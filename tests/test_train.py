@@ -167,7 +167,7 @@ def test_a_local_model_folder_loads_through_from_pretrained(tmp_path, reviews_cs
 
 
 def _saved_scratch_tokenizer(tmp_path, reviews_csv):
-    from textclf.models.scratch import train_tokenizer
+    from textclf.models.tokenizer import train_tokenizer
 
     folder = tmp_path / "tokenizer"
     with open(reviews_csv, encoding="utf-8") as f:
@@ -268,7 +268,7 @@ def test_torch_compile_false_against_the_launchs_dynamo_backend_is_refused_befor
 
 
 def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, capsys):
-    from textclf.data.splits import load_splits
+    from textclf.data.examples import load_splits
     from textclf.tasks.task import Task
 
     rows = "label,review\n" + "".join(f"{i % 2},\ufeff评论{i}\n" for i in range(40)) + "1,\n0,   \n"
@@ -282,9 +282,9 @@ def test_empty_texts_are_dropped_with_one_warning_that_counts_them(tmp_path, cap
 def test_tokenization_is_cached_between_runs(tmp_path, reviews_csv):
     from transformers import BertTokenizerFast
 
-    from textclf.data.splits import load_splits
+    from textclf.data.examples import load_splits
     from textclf.data.tokenized import tokenize
-    from textclf.models.scratch import train_tokenizer
+    from textclf.models.tokenizer import train_tokenizer
     from textclf.tasks.task import Task
 
     train, _, _ = load_splits(str(reviews_csv), None, Task.of("single_label", "review", "label"), 0.1, 0)

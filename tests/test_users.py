@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from textclf.data.splits import load_splits
+from textclf.data.examples import load_splits
 from textclf.errors import InputError
 from textclf.tasks.task import Task
 
@@ -553,7 +553,7 @@ def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_pa
     import sys
 
     from conftest import REPO
-    from textclf.checkpointing.verify import sealed
+    from textclf.checkpointing.seal import sealed
 
     checkpoint = tmp_path / "out" / "step_3"
     checkpoint.mkdir(parents=True)
@@ -619,7 +619,7 @@ def pretrained_backbone(tmp_path_factory):
     """A tiny BERT saved with its pretraining (masked-LM) head, as hub checkpoints are: no classification head."""
     from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
 
-    from textclf.models.scratch import train_tokenizer
+    from textclf.models.tokenizer import train_tokenizer
 
     folder = tmp_path_factory.mktemp("backbone")
     train_tokenizer(["好吃 很好", "太差了 不好", "一般 还行"] * 30, str(folder / "tokenizer"))
@@ -724,7 +724,7 @@ def test_the_suite_runs_beside_a_finished_run_in_the_repository_checkpoints(monk
     beside one (conftest puts one there for the session if there is none), so a test that falls back on the default
     output folder fails here too, and the session fails if a test changed checkpoints/, data/ or wandb/."""
     from conftest import REPO
-    from textclf.checkpointing.choice import find_checkpoint
+    from textclf.checkpointing.folders import find_checkpoint
     from textclf.config import TrainConfig
     from textclf.errors import InputError
 

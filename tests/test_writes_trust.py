@@ -153,7 +153,7 @@ def test_overwrite_output_dir_with_the_data_inside_is_one_line_from_train_py_and
 # --- A resume through a link ---------------------------------------------------------------------------------
 
 def test_a_resume_through_a_link_goes_on_in_the_checkpoint_s_real_folder_and_locks_it(tmp_path, accelerator):
-    from textclf.checkpointing.choice import find_checkpoint
+    from textclf.checkpointing.folders import find_checkpoint
     from textclf.checkpointing.output_dir import claim_output_dir
     from textclf.checkpointing.plan import config_of
     from textclf.config import TrainConfig

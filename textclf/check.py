@@ -74,7 +74,6 @@ if __name__ == "__main__":
 import torch
 from accelerate.utils import patch_environment
 
-from textclf.data import sample_key
 from textclf.models import (
     SCRATCH_VOCAB_SIZE,
     embedding_holders,
@@ -85,6 +84,7 @@ from textclf.models import (
     make_model,
     model_config,
     parameter_counts,
+    sample_key,
     scratch_config,
     scratch_size,
     scratch_tokenizer_folder,

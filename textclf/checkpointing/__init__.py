@@ -18,8 +18,8 @@ from .verify import authorship, read_position, read_verified_position, verified_
 from .write import continue_advice, sealed_checkpoint
 
 __all__ = [
-    "FSDP_SHARDED", "POSITION", "STEP_DIR", "Start", "authorship", "check_resume",
-    "checkpoint_folder", "claim_output_dir", "complete_checkpoints", "continue_advice",
-    "plan_start", "read_position", "read_resume", "read_verified_position", "refuse_pickle_unless_allowed",
-    "resuming", "rotate", "sealed_checkpoint", "verified_best_checkpoint", "verify_checkpoint", "weights_only_loads",
+    "FSDP_SHARDED", "POSITION", "STEP_DIR", "authorship", "check_resume", "checkpoint_folder", "claim_output_dir",
+    "complete_checkpoints", "continue_advice", "plan_start", "read_position", "read_resume", "read_verified_position",
+    "refuse_pickle_unless_allowed", "resuming", "rotate", "sealed_checkpoint", "Start", "verified_best_checkpoint",
+    "verify_checkpoint", "weights_only_loads",
 ]

@@ -1,11 +1,20 @@
-"""Where checkpoints are, by name: the `step_<N>/` folders of an output folder, which of them are complete (they
-hold position.json, written last), and the names of what a killed run leaves.
+"""Where checkpoints are, and which one a run continues: the `step_<N>/` folders of an output folder, which of them
+are complete (they hold position.json, written last), the names of what a killed run leaves; the checkpoint
+`--resume <path>` names, the newest complete one (`latest`, and `auto`, which starts afresh where there is none), or
+none (a fresh run, refused where the folder holds another run's checkpoints); and the best checkpoint the run keeps,
+wherever the folder has moved.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+from typing import Optional
+
+from textclf.config import TrainConfig
+from textclf.errors import InputError
+from textclf.launch import launch_environment
 
 POSITION = "position.json"
 
@@ -44,3 +53,107 @@ def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return [(step, path) for step, path in step_folders(output_dir) if os.path.isfile(os.path.join(path, POSITION))]
 
 
+def run_folder(cfg: TrainConfig) -> str:
+    """The folder the run goes on in: --output_dir, or, for `--resume <path>` without one, the checkpoint's own."""
+    resume = resolved_checkpoint(cfg.resume)
+    if resume not in (None, "latest", "auto") and cfg.output_dir == TrainConfig.output_dir:
+        return os.path.dirname(os.path.normpath(resume)) or "."
+    return cfg.output_dir
+
+
+def find_checkpoint(cfg: TrainConfig) -> Optional[str]:
+    """The checkpoint that --resume names, or None for a fresh run; refuses to mix runs in one folder."""
+    return find_resume_checkpoint(resolved_checkpoint(cfg.resume), run_folder(cfg), cfg.overwrite_output_dir)
+
+
+def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
+    """find_checkpoint's choice in `output_dir`, said where `--resume latest` passes over a lost checkpoint."""
+    path = choose_checkpoint(resume, output_dir, overwrite)
+    if resume == "latest":
+        warn_of_lost_positions(output_dir, path)
+    return path
+
+
+def resolved_checkpoint(resume: Optional[str]) -> Optional[str]:
+    """--resume <path> with the links on its way resolved, where it has any (else as given, as messages name it):
+    a run resumed through a link goes on in the checkpoint's real folder, and locks that one."""
+    if resume in (None, "latest", "auto"):
+        return resume
+    real = os.path.realpath(resume)
+    return real if real != os.path.abspath(resume) else resume
+
+
+def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
+    """The checkpoint of `output_dir` that `resume` names (find_checkpoint; made again under the output folder's
+    lock, claim_output_dir)."""
+    existing = complete_checkpoints(output_dir)
+    if resume not in (None, "auto"):
+        return named_checkpoint(resume, output_dir, overwrite, existing)
+    if resume == "auto":  # one command that starts a run and continues it (a requeued job reruns its command)
+        return existing[-1][1] if existing else None
+    if existing and not overwrite:
+        raise InputError(f"{output_dir} already holds checkpoints (newest {existing[-1][1]}); pass --resume latest "
+                         "to continue that run, or --overwrite_output_dir to start over")
+    return None
+
+
+def named_checkpoint(resume: str, output_dir: str, overwrite: bool, existing: list[tuple[int, str]]) -> str:
+    """The checkpoint --resume latest or --resume <path> names (choose_checkpoint; `existing`: the complete
+    checkpoints of output_dir)."""
+    if resume == "latest":
+        newer = without_position(output_dir, existing[-1][0] if existing else -1)
+        if not existing:
+            raise InputError(f"--resume latest: no complete checkpoint in {output_dir}"
+                             + (f" ({', '.join(newer)} without {POSITION})" if newer else "")
+                             + "; drop --resume to start a fresh run")
+        return existing[-1][1]
+    later = later_checkpoints(output_dir, resume)
+    if later and not overwrite:
+        raise LaterCheckpoints(f"--resume {resume}: {output_dir} holds checkpoints after it ({', '.join(later)}), "
+                               "which this run would write over; pass --overwrite_output_dir to move them aside, or "
+                               "--output_dir <another folder> to keep both runs", resume)
+    return resume
+
+
+class LaterCheckpoints(InputError):
+    """named_checkpoint's refusal of a checkpoint that later ones follow, which still names the checkpoint: the plan
+    of its resume goes on (plan_start), to name its other refusals in the same launch."""
+
+    def __init__(self, message: str, checkpoint: str):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+def warn_of_lost_positions(output_dir: str, latest: str) -> None:
+    """--resume latest passes over newer step_<N> folders without position.json: say so, once, on the main process."""
+    newer = without_position(output_dir, int(STEP_DIR.match(os.path.basename(latest))[1]))
+    if newer and launch_environment().rank == 0:
+        print(f"warning: {os.path.join(output_dir, newer[-1], POSITION)} is missing (a save always writes it, so "
+              f"it was deleted or lost): {newer[-1]} is not a complete checkpoint, and --resume latest takes "
+              f"{latest}", file=sys.stderr)
+
+
+def later_checkpoints(output_dir: str, checkpoint: str) -> list[str]:
+    """The step_<N> folders of output_dir after `checkpoint` (by its step_<N> name), oldest first: a run resumed
+    from it saves at their steps again."""
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(checkpoint)))
+    if not match:
+        return []
+    return [os.path.basename(path) for step, path in step_folders(output_dir) if step > int(match.group(1))]
+
+
+def without_position(output_dir: str, newer_than: int) -> list[str]:
+    """The step_<N> folders above step `newer_than` that have no position.json, oldest first: a save never
+    leaves one (it writes into .incomplete_step_<N>/ and renames), so its position.json was deleted or lost."""
+    return [os.path.basename(path) for step, path in step_folders(output_dir)
+            if step > newer_than and not os.path.isfile(os.path.join(path, POSITION))]
+
+
+def find_best_checkpoint(best: dict, output_dir: str) -> str:
+    """The best checkpoint's folder: in the folder the run goes on in (which may have been moved), else where
+    it was saved (a run resumed into another --output_dir)."""
+    for folder in (checkpoint_folder(output_dir, best["step"]), best["checkpoint"]):
+        if os.path.exists(os.path.join(folder, POSITION)):
+            return folder
+    raise InputError(f"the best checkpoint so far (step {best['step']}, saved as {best['checkpoint']}) is neither "
+                     f"there nor in {output_dir}: put it back in either place, or leave out --load_best_model_at_end")

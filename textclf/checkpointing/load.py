@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 from textclf.config import TrainConfig
 from textclf.errors import InputError, checked_on_main_process
 
-from .choice import find_best_checkpoint
-from .folders import POSITION
+from .folders import POSITION, find_best_checkpoint
 from .pickles import weights_only_loads
 from .plan import Start
 from .resplit import WINDOW_KEYS
@@ -30,10 +29,8 @@ def check_resume(accelerator: Accelerator, start: Start, cfg: TrainConfig, made_
     """Collective, after prepare and before the run takes its output folder (a refusal leaves nothing behind): the
     checkpoint `start` resumes is checked against the run that was built (`made_of`: what the run is made of, by
     RESUME_TABLE; the schedule: total_steps, steps_per_epoch, batches_per_epoch), its position against the schedule
-    and every file against its record. A fresh run has nothing to check."""
+    and every file against its record."""
     path, position = start.checkpoint, start.position
-    if path is None:
-        return
     check_against(path, position, made_of)
     best = position.get("best")
     if best and cfg.load_best_model_at_end:

@@ -18,9 +18,8 @@ from textclf import files
 from textclf.config import TrainConfig
 from textclf.errors import InputError, checked_on_main_process, write_failed
 
-from .choice import choose_checkpoint, later_checkpoints, resolved_checkpoint
-from .folders import LEFTOVERS, LOCK
-from .secret import own_secret
+from .folders import LEFTOVERS, LOCK, choose_checkpoint, later_checkpoints, resolved_checkpoint
+from .seal import own_secret
 from .verify import read_position
 
 if TYPE_CHECKING:

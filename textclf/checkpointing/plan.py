@@ -20,12 +20,13 @@ from textclf.config import PATH_FIELDS, TrainConfig, field_names
 from textclf.errors import InputError
 from textclf.launch import launch_environment, this_launch
 
-from .choice import LaterCheckpoints, find_best_checkpoint, find_checkpoint, run_folder
+from .folders import LaterCheckpoints, find_best_checkpoint, find_checkpoint, run_folder
 from .output_dir import refuse_moving_what_it_reads, refuse_unusable
 from .pickles import refuse_pickle_unless_allowed
 from .resplit import batch_split, needs_universal, on_this_launch
 from .resume_rules import check_against
-from .verify import STARTED_IN, authorship, read_verified_position, verified_folder
+from .seal import STARTED_IN
+from .verify import authorship, read_verified_position, verified_folder
 
 FRESH = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
 

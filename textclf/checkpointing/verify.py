@@ -6,7 +6,6 @@ reload, export, predict and report all load through it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -18,42 +17,22 @@ from typing import TYPE_CHECKING, Iterable, Optional
 from textclf.errors import InputError, checked_on_main_process
 from textclf.files import sha256_all
 
-from .choice import find_best_checkpoint
-from .folders import POSITION
+from .folders import POSITION, find_best_checkpoint
 from .pickles import refuse_pickle_unless_allowed, weights_only_loads
-from .secret import read_secret, secret_id, secret_path, signature, signature_matches
+from .seal import (
+    SIGNATURE,
+    SIGNED_BY,
+    SIGNED_FORMAT,
+    canonical,
+    own_sha256,
+    read_secret,
+    secret_id,
+    secret_path,
+    signature_matches,
+)
 
 if TYPE_CHECKING:  # accelerate is imported after the pre-launch checks
     from accelerate import Accelerator
-
-SIGNATURE, SIGNED_BY = "signature", "signed_by"  # the HMAC of position.json's other fields, and the secret's id
-
-STARTED_IN = "started_in"  # the folder the run started in, where the config's relative paths start from
-
-# What this textclf writes in every position.json and no older one did: a position with any of them is signed.
-SIGNED_FORMAT = (SIGNED_BY, STARTED_IN)
-
-
-def canonical(fields: dict) -> bytes:
-    """The text a position's sha256 and signature are computed over: its fields as JSON reads them back (int keys
-    become strings, tuples lists), so that both still match once the file is read."""
-    return json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False).encode()
-
-
-def sealed(position: dict, secret: Optional[bytes] = None) -> dict:
-    """position signed with `secret` (its id and an HMAC of its other fields), then given a sha256 of every other
-    field, so that a changed byte in position.json is seen with or without the secret."""
-    fields = {key: value for key, value in position.items() if key not in ("sha256", SIGNATURE)}
-    if secret is not None:
-        fields[SIGNED_BY] = secret_id(secret)
-        fields[SIGNATURE] = signature(canonical(fields), secret)
-    return {**fields, "sha256": own_sha256(fields)}
-
-
-def own_sha256(position: dict) -> str:
-    """The sha256 of a position's fields but its own."""
-    return hashlib.sha256(canonical({key: value for key, value in position.items() if key != "sha256"})).hexdigest()
-
 
 def read_position(checkpoint: str) -> dict:
     """A checkpoint's position.json, refused in one line where it is missing or unreadable."""

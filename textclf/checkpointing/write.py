@@ -17,8 +17,7 @@ from textclf.files import sha256_all, write_json
 
 from .folders import INCOMPLETE, POSITION, checkpoint_folder, complete_checkpoints
 from .rotation import delete_folder
-from .secret import own_secret
-from .verify import sealed
+from .seal import own_secret, sealed
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -5,11 +5,10 @@ of a launch say while the local main process does it.
 
 import glob
 import os
-import random
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Iterator, Optional
+from typing import Optional
 
 import datasets
 import pyarrow as pa
@@ -21,22 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from textclf.errors import say
 
-from .checksums import cache_problems, one_run_at_a_time, record_checksums, remove_damaged
-from .reading import text_columns
-
-
-def text_sample(table: Dataset, size: int, seed: int) -> Iterator[list[str]]:
-    """Batches of the texts a scratch tokenizer learns from: both texts of `size` examples drawn with `seed`
-    (every example when `size` is 0 or the table is smaller), read a batch at a time, never all at once."""
-    if 0 < size < len(table):
-        table = table.select(sorted(random.Random(seed).sample(range(len(table)), size)))
-    for batch in table.select_columns(text_columns(table)).iter(batch_size=1000):
-        yield from batch.values()
-
-
-def sample_key(data_fingerprint: str, rows: int, size: int, seed: int) -> str:
-    """What names the texts that text_sample draws from `rows` examples with this fingerprint, for caches."""
-    return f"{data_fingerprint}-all" if not 0 < size < rows else f"{data_fingerprint}-sample{size}-seed{seed}"
+from .reading import cache_problems, one_run_at_a_time, record_checksums, remove_damaged, text_columns
 
 
 def tokenizing_processes(rows: int) -> Optional[int]:

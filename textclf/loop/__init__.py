@@ -15,7 +15,6 @@ from .tracking import (
 )
 
 __all__ = [
-    "DivergenceWatch", "JsonLinesTracker", "Schedule", "Window", "due", "keep_log_until",
-    "log_with", "patience_ran_out", "record_best_model", "request_stop_on_signals", "track_best", "tracker_config",
-    "use_trainer_names",
+    "DivergenceWatch", "due", "JsonLinesTracker", "keep_log_until", "log_with", "patience_ran_out", "record_best_model",
+    "request_stop_on_signals", "Schedule", "track_best", "tracker_config", "use_trainer_names", "Window",
 ]

@@ -4,6 +4,7 @@ either; the speed options a run turns on; the exported model folder, written, ve
 job (data, tokenizer and model built one way for train.py, the benchmark and its baselines)."""
 
 from .build import (
+    SCRATCH_VOCAB_SIZE,
     embedding_holders,
     in_units,
     layer_classes,
@@ -12,16 +13,19 @@ from .build import (
     model_config,
     parameter_counts,
     parameter_groups,
+    scratch_config,
+    scratch_size,
 )
 from .folder import export_model, predict_logits, refuse_existing, save_verified
 from .job import build_job, load_data
-from .scratch import SCRATCH_VOCAB_SIZE, scratch_config, scratch_size, scratch_tokenizer_folder
 from .speed import padding_multiple, speed_up
+from .tokenizer import sample_key, scratch_tokenizer_folder
 from .trained import inference_accelerator, label_names, load_trained, read_training, run_config
 
 __all__ = [
     "SCRATCH_VOCAB_SIZE", "build_job", "embedding_holders", "export_model", "in_units", "inference_accelerator",
     "label_names", "layer_classes", "load_data", "load_trained", "lora_settings", "make_model", "model_config",
     "padding_multiple", "parameter_counts", "parameter_groups", "predict_logits", "read_training", "refuse_existing",
-    "run_config", "save_verified", "scratch_config", "scratch_size", "scratch_tokenizer_folder", "speed_up",
+    "run_config", "sample_key", "save_verified", "scratch_config", "scratch_size", "scratch_tokenizer_folder",
+    "speed_up",
 ]

@@ -1,44 +1,56 @@
-"""Every model is built by make_model: to train, to read back, the check's, the export's copy, from a scratch config or
-pretrained weights, with LoRA's adapters where asked; its tokenizer; AdamW's parameter groups and the counts a run
-reports.
+"""Every model is built by make_model: to train, to read back, the check's, the export's copy, from a scratch config
+(the offline default: a small BERT, scratch-tiny to scratch-base) or pretrained weights, with LoRA's adapters where
+asked; AdamW's parameter groups and the counts a run reports.
 """
 
-import os
 import pickle
-import time
 from contextlib import nullcontext
 from typing import Optional
 
 import torch
 from safetensors import SafetensorError
-from transformers import (
-    PretrainedConfig,
-    PreTrainedModel,
-)
+from transformers import BertConfig, PretrainedConfig, PreTrainedModel
 
-from textclf.errors import InputError, say
+from textclf.errors import InputError
 
 from .pretrained import (
     MODEL_CLASS,
     MODEL_CLASS_MAPPING,
-    load_pretrained_tokenizer,
     load_refused,
     load_report_as_one_line,
     read_config,
     refuse_misshapen_body,
     with_head,
 )
-from .scratch import (
-    load_learnt_tokenizer,
-    load_saved_tokenizer,
-    scratch_config,
-    scratch_size,
-    scratch_tokenizer_folder,
-    train_tokenizer,
-)
+
+# Sizes of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
+SCRATCH_SIZES = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2),
+    "mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4),
+    "small": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8),
+    "medium": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8),
+    "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),
+}
+
+SCRATCH_VOCAB_SIZE = 8000
 
 # Parameter names that take no weight decay, as the Trainer names them (Trainer.get_decay_parameter_names).
 NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def scratch_size(model: str):
+    """'scratch-mini' -> 'mini'; None for a hub id or folder."""
+    if not model.startswith("scratch-"):
+        return None
+    size = model.removeprefix("scratch-")
+    if size not in SCRATCH_SIZES:
+        raise InputError(f"unknown model size '{model}' (expected scratch-{{{','.join(SCRATCH_SIZES)}}})")
+    return size
+
+
+def scratch_config(size: str, vocab_size: int, max_length: int, **extra) -> BertConfig:
+    return BertConfig(vocab_size=vocab_size, intermediate_size=4 * SCRATCH_SIZES[size]["hidden_size"],
+                      max_position_embeddings=max(512, max_length), **SCRATCH_SIZES[size], **extra)
 
 
 def model_config(model: str, max_length: int, trust_remote_code: bool = False) -> Optional[PretrainedConfig]:
@@ -47,35 +59,6 @@ def model_config(model: str, max_length: int, trust_remote_code: bool = False) -
     if scratch_size(model):
         return None
     return read_config(model, max_length, trust_remote_code)
-
-
-def get_tokenizer(model: str, texts, cache_dir: str, texts_key: str, max_length: int,
-                  trust_remote_code: bool = False, saved_in: Optional[str] = None):
-    """The model's tokenizer, ready to pad batches; for a scratch model, one learnt from `texts` (strings or
-    batches of them) and cached under `texts_key` (sample_key). Call it on the local main process first:
-    the others then find the cached one.
-
-    `saved_in`: a resume's, the folder where its checkpoint saved the tokenizer it was trained with, its files
-    already checked against the checkpoint's record; taken whatever the cache holds, since a tokenizer learnt
-    again from the same texts is not always the same vocabulary."""
-    if saved_in is not None:
-        tokenizer = load_saved_tokenizer(saved_in, max_length) if scratch_size(model) else \
-            load_pretrained_tokenizer(saved_in, trust_remote_code)
-        say(f"data: the tokenizer of {len(tokenizer):,} tokens that the checkpoint was trained with, from {saved_in}")
-        return tokenizer
-    if not scratch_size(model):
-        return load_pretrained_tokenizer(model, trust_remote_code)
-    folder = scratch_tokenizer_folder(cache_dir, texts_key)
-    start, learnt = time.perf_counter(), not os.path.isdir(folder)
-    if learnt:
-        train_tokenizer(texts, folder)
-    tokenizer = load_learnt_tokenizer(folder, max_length)
-    if learnt:
-        say(f"data: learnt a tokenizer of {len(tokenizer):,} tokens in {time.perf_counter() - start:.1f} s, cached "
-            f"in {folder}")
-    else:
-        say(f"data: a tokenizer of {len(tokenizer):,} tokens from the cache, {folder}")
-    return tokenizer
 
 
 def training_config(model: str, tokenizer, head: dict, max_length: int, *, config: Optional[PretrainedConfig] = None,

@@ -15,7 +15,7 @@ from datasets import Dataset
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from textclf import files
 from textclf.data import length_sorted_loader, tokenize
@@ -24,6 +24,7 @@ from textclf.files import write_json
 
 from .build import lora_settings, make_model
 from .pretrained import load_refused, refuse_custom_code
+from .tokenizer import load_folder_tokenizer
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -207,15 +208,6 @@ def require_model_files(folder: str) -> None:
         raise InputError(f"{folder} is not a complete model folder: it has no config.json")
     if not base_weight_files(folder) and not glob.glob(os.path.join(folder, "pytorch_model*.bin")):
         raise InputError(f"{folder} is not a complete model folder: it has no weights (model.safetensors)")
-
-
-def load_folder_tokenizer(folder: str, trust_remote_code: bool = False):
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:
-        raise load_refused(folder, e, f"cannot load the tokenizer saved in {folder}") from None
-    refuse_custom_code(folder, tokenizer.init_kwargs.get("auto_map"), trust_remote_code)
-    return tokenizer
 
 
 def predict_logits(model, tokenizer, texts: list[str], pairs: Optional[list[str]] = None, *, batch_size: int = 64,

@@ -11,12 +11,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from textclf.checkpointing import Start
 from textclf.config import TrainConfig
-from textclf.data import fingerprint, load_splits, sample_key, text_sample, tokenize, tokenizing_processes, waiting
+from textclf.data import fingerprint, load_splits, tokenize, tokenizing_processes, waiting
 from textclf.launch import refuse_float16_weights
 from textclf.tasks import Task
 
-from .build import get_tokenizer, lora_settings, make_model, model_config, training_config
-from .scratch import scratch_size
+from .build import lora_settings, make_model, model_config, scratch_size, training_config
+from .tokenizer import get_tokenizer, sample_key, text_sample
 
 
 class Job(NamedTuple):

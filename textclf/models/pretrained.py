@@ -10,9 +10,7 @@ from typing import Optional
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     PretrainedConfig,
-    PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
@@ -77,27 +75,6 @@ def with_head(config: PretrainedConfig, head: dict, pad_token_id: int) -> Pretra
     if hasattr(config, "use_cache"):
         config.use_cache = False
     return config
-
-
-def load_pretrained_tokenizer(model: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """`model`'s tokenizer, padding on the right, with a pad token: the eos token where the family ships none
-    (Llama, Qwen2 and GPT-2), as their own classification examples set it.
-
-    Right, not the left that some families (Llama's) ship for generation: decoder heads classify from the
-    rightmost token that is not padding and count positions from the first, so every text keeps the
-    positions it has alone.
-    """
-    try:
-        # padding_side as a loading argument, not set afterwards: only then does save_pretrained keep it.
-        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, padding_side="right")
-    except (OSError, ValueError) as e:
-        raise load_refused(model, e, f"cannot load a tokenizer from '{model}'") from None
-    refuse_custom_code(model, tokenizer.init_kwargs.get("auto_map"), trust_remote_code)
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise InputError(f"the tokenizer of '{model}' has neither a pad token nor an eos token to pad with")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def refuse_misshapen_body(source: str, model, mismatched) -> None:

@@ -30,8 +30,9 @@ from textclf.config import TrainConfig, require_trained_model
 from textclf.errors import InputError
 
 from .build import lora_settings, make_model
-from .folder import TRAINING, load_folder_tokenizer, load_model_folder, weight_files
+from .folder import TRAINING, load_model_folder, weight_files
 from .pretrained import needs_remote_code, refuse_custom_code
+from .tokenizer import load_folder_tokenizer
 
 
 def load_trained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False):

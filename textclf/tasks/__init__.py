@@ -4,4 +4,6 @@ run asks for it."""
 
 from .task import KINDS, Task, format_score
 
-__all__ = ["KINDS", "Task", "format_score"]
+__all__ = [
+    "KINDS", "format_score", "Task",
+]

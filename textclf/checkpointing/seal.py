@@ -1,8 +1,10 @@
-"""The secret this user's runs sign their checkpoints with: random bytes in a file outside any output folder, made
-at first use with mode 0600 (`~/.config/textclf/checkpoint_secret`, or the file TEXTCLF_SECRET_FILE names). A
-checkpoint's position.json carries an HMAC-SHA256 of its fields under it, and the secret's id: a signature that
-verifies proves that a run of this user's wrote the checkpoint, every field and every file's sha256 as they are.
-Anyone can recompute a sha256; only the holder of the secret can sign.
+"""A checkpoint's seal: its position.json signed with this user's secret, then given a sha256 of its own.
+
+The secret is random bytes in a file outside any output folder, made at first use with mode 0600
+(`~/.config/textclf/checkpoint_secret`, or the file TEXTCLF_SECRET_FILE names). position.json carries an HMAC-SHA256
+of its fields under it, and the secret's id: a signature that verifies proves that a run of this user's wrote the
+checkpoint, every field and every file's sha256 as they are. Anyone can recompute a sha256; only the holder of the
+secret can sign.
 """
 
 from __future__ import annotations
@@ -10,11 +12,41 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import secrets
 from typing import Optional
 
 from textclf.errors import InputError
+
+SIGNATURE, SIGNED_BY = "signature", "signed_by"  # the HMAC of position.json's other fields, and the secret's id
+
+STARTED_IN = "started_in"  # the folder the run started in, where the config's relative paths start from
+
+# What this textclf writes in every position.json and no older one did: a position with any of them is signed.
+SIGNED_FORMAT = (SIGNED_BY, STARTED_IN)
+
+
+def canonical(fields: dict) -> bytes:
+    """The text a position's sha256 and signature are computed over: its fields as JSON reads them back (int keys
+    become strings, tuples lists), so that both still match once the file is read."""
+    return json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False).encode()
+
+
+def sealed(position: dict, secret: Optional[bytes] = None) -> dict:
+    """position signed with `secret` (its id and an HMAC of its other fields), then given a sha256 of every other
+    field, so that a changed byte in position.json is seen with or without the secret."""
+    fields = {key: value for key, value in position.items() if key not in ("sha256", SIGNATURE)}
+    if secret is not None:
+        fields[SIGNED_BY] = secret_id(secret)
+        fields[SIGNATURE] = signature(canonical(fields), secret)
+    return {**fields, "sha256": own_sha256(fields)}
+
+
+def own_sha256(position: dict) -> str:
+    """The sha256 of a position's fields but its own."""
+    return hashlib.sha256(canonical({key: value for key, value in position.items() if key != "sha256"})).hexdigest()
+
 
 SECRET_FILE = "TEXTCLF_SECRET_FILE"  # the environment variable that names the secret's file
 

@@ -1,4 +1,4 @@
-"""The labelled examples split for a run: labels checked and encoded by the task, the held-out split (stratified, from
+"""A run's labelled examples: the labels read, checked and encoded by the task, the held-out split (stratified, from
 the seed), the examples a run evaluated written out for the report, and the fingerprint a resume recognises the
 training data by.
 """
@@ -9,6 +9,7 @@ import math
 import time
 from typing import Optional
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,7 +20,7 @@ from textclf import files
 from textclf.errors import InputError, say
 from textclf.tasks import Task
 
-from .reading import labelled, load_table, read_labelled, select_columns, text_columns
+from .reading import load_table, select_columns, text_columns
 
 
 def load_splits(data: str, eval_data, task: Task, eval_split: Optional[float], seed: int,
@@ -37,6 +38,23 @@ def load_splits(data: str, eval_data, task: Task, eval_split: Optional[float], s
     say(f"data: labels and split: {len(train):,} train / {len(held_out):,} eval examples in "
         f"{time.perf_counter() - start:.1f} s")
     return train, held_out, names
+
+
+def read_labelled(path: str, task: Task, delimiter: Optional[str] = None, encoding: Optional[str] = None,
+                  names: Optional[list[str]] = None):
+    """(The task's examples in a data file, the label names)."""
+    return labelled(select_columns(load_table(path, delimiter, encoding), path, task), path, task, names)
+
+
+def labelled(table: Dataset, path: str, task: Task, names: Optional[list[str]] = None):
+    """(`table` with its labels encoded as the `labels` column, the label names: the table's own unless given, as
+    a held-out or report file must use the training data's)."""
+    labels = task.parse_labels(table["label"][:], path, table["row"][:])
+    names = names or task.label_names(labels, path)
+    encoded, feature = task.encode_labels(labels, names, path)
+    # As an Arrow array: `datasets` fingerprints the new column by pickling it, which is slow for a long list.
+    encoded = pa.array(encoded, datasets.Features({"labels": feature}).arrow_schema.field("labels").type)
+    return table.remove_columns(["label", "row"]).add_column("labels", encoded, feature=feature), names
 
 
 # The held-out split nobody asked for: a fraction of the data, up to a size whose scores are precise enough (a
