@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 os.environ.update(OFFLINE)
-# The secret train.py signs its checkpoints with (textclf/checkpointing/seal.py): the suite's own, never the user's.
+# The secret train.py signs its checkpoints with (textclf/checkpointing/write.py): the suite's own, never the user's.
 SECRET_FILE = Path(tempfile.gettempdir()) / f"textclf-tests-{os.getuid()}" / "checkpoint_secret"
 os.environ["TEXTCLF_SECRET_FILE"] = str(SECRET_FILE)
 # A tiny run: a 0.8M-parameter BERT on short texts, a few optimizer steps.
@@ -122,7 +122,7 @@ def pytest_sessionfinish(session):
 
 @contextmanager
 def another_user(folder):
-    """This process as another user, who has a secret of their own (textclf/checkpointing/seal.py): what this
+    """This process as another user, who has a secret of their own (textclf/checkpointing/write.py): what this
     user's runs signed is from elsewhere to them. Yields the environment that makes a subprocess that user too."""
     secret = Path(folder) / "another_user_secret"
     if not secret.exists():

@@ -583,7 +583,7 @@ def made_checkpoint(folder, world_size=1, zero_stage=None, step_number=6, **made
     `world_size` processes."""
     import dataclasses
 
-    from textclf.checkpointing.seal import sealed
+    from textclf.checkpointing.write import sealed
     from textclf.config import TrainConfig
 
     made_with = {"model": "scratch-tiny", **made_with}

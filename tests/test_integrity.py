@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from textclf.checkpointing.folders import POSITION
-from textclf.checkpointing.seal import own_secret, sealed
 from textclf.checkpointing.verify import read_position, read_verified_position, verify_checkpoint, verify_files
+from textclf.checkpointing.write import own_secret, sealed
 from textclf.errors import InputError
 from textclf.models.trained import load_trained
 

@@ -121,7 +121,7 @@ def zero2_checkpoints(folder, steps=(10, 12)) -> list:
     come before any is read)."""
     import dataclasses
 
-    from textclf.checkpointing.seal import sealed
+    from textclf.checkpointing.write import sealed
     from textclf.config import TrainConfig
 
     made_with = {"model": "scratch-tiny", "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}

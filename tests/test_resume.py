@@ -287,7 +287,7 @@ def set_position(**changes):
     """Edit position.json and sign it again with this user's secret, as a run that wrote those values would have: what
     refuses it is then the check after the signature's (tests/test_integrity.py shows an edit that is not signed
     refused)."""
-    from textclf.checkpointing.seal import own_secret, sealed
+    from textclf.checkpointing.write import own_secret, sealed
 
     def edit(folder):
         position = json.loads((folder / "position.json").read_text())
@@ -299,8 +299,7 @@ def record_files(folder):
     """Make position.json's list of files agree with what is there, as someone editing the checkpoint would, who has
     not this user's secret: the signature goes (a checkpoint from elsewhere), the sha256 is made again, and what
     refuses the checkpoint is then the check after the signature's."""
-    from textclf.checkpointing.seal import SIGNATURE, SIGNED_FORMAT, sealed
-    from textclf.checkpointing.write import manifest
+    from textclf.checkpointing.write import SIGNATURE, SIGNED_FORMAT, manifest, sealed
 
     position = json.loads((folder / "position.json").read_text())
     unsigned = {key: value for key, value in position.items() if key not in (SIGNATURE, *SIGNED_FORMAT)}

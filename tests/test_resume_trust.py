@@ -12,8 +12,8 @@ from test_resume import assert_same_run
 from conftest import TINY, assert_refused, train_forked
 from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.plan import Start
-from textclf.checkpointing.seal import own_secret, sealed
 from textclf.checkpointing.verify import read_verified_position
+from textclf.checkpointing.write import own_secret, sealed
 from textclf.errors import InputError
 
 LEARNT = "data: learnt a tokenizer"

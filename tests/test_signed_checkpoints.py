@@ -16,7 +16,8 @@ from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.load import refuse_other_counts
 from textclf.checkpointing.pickles import FORCE_WEIGHTS_ONLY, weights_only_loads
 from textclf.checkpointing.plan import seen_from_here
-from textclf.checkpointing.seal import (
+from textclf.checkpointing.verify import authorship, read_verified_position
+from textclf.checkpointing.write import (
     SECRET_FILE,
     SIGNATURE,
     SIGNED_FORMAT,
@@ -26,7 +27,6 @@ from textclf.checkpointing.seal import (
     sealed,
     secret_path,
 )
-from textclf.checkpointing.verify import authorship, read_verified_position
 from textclf.cli import parse_config, plan_run
 from textclf.errors import InputError
 from textclf.files import sha256

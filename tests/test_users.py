@@ -553,7 +553,7 @@ def test_a_resume_refused_for_its_launch_answers_before_torch_is_imported(tmp_pa
     import sys
 
     from conftest import REPO
-    from textclf.checkpointing.seal import sealed
+    from textclf.checkpointing.write import sealed
 
     checkpoint = tmp_path / "out" / "step_3"
     checkpoint.mkdir(parents=True)

@@ -7,13 +7,15 @@ wherever the folder has moved.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 from typing import Optional
 
+from textclf import files
 from textclf.config import TrainConfig
-from textclf.errors import InputError
+from textclf.errors import InputError, write_failed
 from textclf.launch import launch_environment
 
 POSITION = "position.json"
@@ -35,6 +37,20 @@ UNIVERSAL = ".universal_"  # + step_<N>: a ZeRO checkpoint converted for another
 LEFTOVERS = (INCOMPLETE, DELETING, UNIVERSAL)
 
 LOCK = ".lock"  # held (flock) by the main process of the run that owns the folder
+
+
+def delete_folder(path: str) -> None:
+    """Delete a checkpoint folder: renamed to .deleting_<name>, then removed."""
+    parent, name = os.path.split(os.path.normpath(path))
+    doomed = os.path.join(parent, DELETING + name)
+    try:  # a link in place of a checkpoint is removed as a link, never walked into
+        with contextlib.suppress(OSError):
+            files.remove(doomed)
+        os.rename(path, doomed)
+        files.remove(doomed)
+    except OSError as e:
+        raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
+                           f"{doomed}, which the next start removes), then continue with --resume latest") from None
 
 
 def checkpoint_folder(output_dir: str, step: int) -> str:

@@ -19,8 +19,8 @@ from textclf.config import TrainConfig
 from textclf.errors import InputError, checked_on_main_process, write_failed
 
 from .folders import LEFTOVERS, LOCK, choose_checkpoint, later_checkpoints, resolved_checkpoint
-from .seal import own_secret
 from .verify import read_position
+from .write import own_secret
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

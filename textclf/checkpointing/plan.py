@@ -25,8 +25,8 @@ from .output_dir import refuse_moving_what_it_reads, refuse_unusable
 from .pickles import refuse_pickle_unless_allowed
 from .resplit import batch_split, needs_universal, on_this_launch
 from .resume_rules import check_against
-from .seal import STARTED_IN
 from .verify import authorship, read_verified_position, verified_folder
+from .write import STARTED_IN
 
 FRESH = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
 

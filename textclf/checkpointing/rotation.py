@@ -1,31 +1,12 @@
-"""Checkpoints deleted: the ones past --save_total_limit (rotate; the `keep` newest, the best and the one resumed from
-are kept), and the old checkpoint of a step that a rerun saves again. Always through a rename first, so that a kill
-mid-way never leaves a half-deleted folder under a checkpoint's name.
+"""Checkpoints rotated: the ones past --save_total_limit are deleted (the `keep` newest, the best and the one resumed
+from are kept), each through a rename first (folders.delete_folder).
 """
 
-import contextlib
 import os
 from typing import Optional
 
-from textclf import files
-from textclf.errors import write_failed
-
-from .folders import DELETING, complete_checkpoints
+from .folders import complete_checkpoints, delete_folder
 from .verify import read_position
-
-
-def delete_folder(path: str) -> None:
-    """Delete a checkpoint folder: renamed to .deleting_<name>, then removed."""
-    parent, name = os.path.split(os.path.normpath(path))
-    doomed = os.path.join(parent, DELETING + name)
-    try:  # a link in place of a checkpoint is removed as a link, never walked into
-        with contextlib.suppress(OSError):
-            files.remove(doomed)
-        os.rename(path, doomed)
-        files.remove(doomed)
-    except OSError as e:
-        raise write_failed("delete the checkpoint", path, e, f"make the folder writable (what is left of it is "
-                           f"{doomed}, which the next start removes), then continue with --resume latest") from None
 
 
 def rotate(output_dir: str, keep: int, metric: str, protect: Optional[str],

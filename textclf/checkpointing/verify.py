@@ -19,7 +19,7 @@ from textclf.files import sha256_all
 
 from .folders import POSITION, find_best_checkpoint
 from .pickles import refuse_pickle_unless_allowed, weights_only_loads
-from .seal import (
+from .write import (
     SIGNATURE,
     SIGNED_BY,
     SIGNED_FORMAT,

@@ -1,26 +1,136 @@
 """Checkpoints as a run writes them: accelerate's save_state writes into a temporary folder, which position.json
-seals (the position, and the size and sha256 of every file, signed with this user's secret) and a rename makes
-`step_<N>/`, so that a checkpoint is complete or absent. A write that fails is one line naming the newest complete
-checkpoint, left as it was.
+seals and a rename makes `step_<N>/`, so that a checkpoint is complete or absent. A write that fails is one line
+naming the newest complete checkpoint, left as it was.
+
+The seal: position.json (the position, and the size and sha256 of every file) signed with this user's secret, then
+given a sha256 of its own. The secret is random bytes in a file outside any output folder, made at first use with
+mode 0600 (`~/.config/textclf/checkpoint_secret`, or the file TEXTCLF_SECRET_FILE names); position.json carries an
+HMAC-SHA256 of its fields under it, and the secret's id. A signature that verifies proves that a run of this user's
+wrote the checkpoint, every field and every file's sha256 as they are: anyone can recompute a sha256, only the holder
+of the secret can sign.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
+import json
 import os
+import secrets
 import shutil
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from textclf import files
 from textclf.errors import WRITE_ERRORS, InputError, write_failed
 from textclf.files import sha256_all, write_json
 
-from .folders import INCOMPLETE, POSITION, checkpoint_folder, complete_checkpoints
-from .rotation import delete_folder
-from .seal import own_secret, sealed
+from .folders import INCOMPLETE, POSITION, checkpoint_folder, complete_checkpoints, delete_folder
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+
+SIGNATURE, SIGNED_BY = "signature", "signed_by"  # the HMAC of position.json's other fields, and the secret's id
+
+STARTED_IN = "started_in"  # the folder the run started in, where the config's relative paths start from
+
+# What this textclf writes in every position.json and no older one did: a position with any of them is signed.
+SIGNED_FORMAT = (SIGNED_BY, STARTED_IN)
+
+
+def canonical(fields: dict) -> bytes:
+    """The text a position's sha256 and signature are computed over: its fields as JSON reads them back (int keys
+    become strings, tuples lists), so that both still match once the file is read."""
+    return json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False).encode()
+
+
+def sealed(position: dict, secret: Optional[bytes] = None) -> dict:
+    """position signed with `secret` (its id and an HMAC of its other fields), then given a sha256 of every other
+    field, so that a changed byte in position.json is seen with or without the secret."""
+    fields = {key: value for key, value in position.items() if key not in ("sha256", SIGNATURE)}
+    if secret is not None:
+        fields[SIGNED_BY] = secret_id(secret)
+        fields[SIGNATURE] = signature(canonical(fields), secret)
+    return {**fields, "sha256": own_sha256(fields)}
+
+
+def own_sha256(position: dict) -> str:
+    """The sha256 of a position's fields but its own."""
+    return hashlib.sha256(canonical({key: value for key, value in position.items() if key != "sha256"})).hexdigest()
+
+
+SECRET_FILE = "TEXTCLF_SECRET_FILE"  # the environment variable that names the secret's file
+
+SECRET_BYTES = 32  # HMAC-SHA256's block of security: as many random bytes as its output
+
+
+def secret_path() -> str:
+    """Where the secret is: the file TEXTCLF_SECRET_FILE names, else under the user's config folder."""
+    named = os.environ.get(SECRET_FILE)
+    if named:
+        return os.path.abspath(os.path.expanduser(named))
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "textclf", "checkpoint_secret")
+
+
+def read_secret() -> Optional[bytes]:
+    """This user's secret; None where there is none yet. One that cannot be used is one line."""
+    path = secret_path()
+    try:
+        with open(path, "rb") as f:
+            secret = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise InputError(f"cannot read {path}, the secret that signs this user's checkpoints: {e.strerror}; make it "
+                         f"readable, or name another file with {SECRET_FILE}") from None
+    if len(secret) < SECRET_BYTES:
+        raise InputError(f"{path}, the secret that signs this user's checkpoints, holds {len(secret)} bytes, fewer "
+                         f"than {SECRET_BYTES}: delete it (a run makes a new one; checkpoints signed with the old one "
+                         "then count as written elsewhere), or name another file with " + SECRET_FILE)
+    return secret
+
+
+def own_secret() -> bytes:
+    """This user's secret, made at first use: random bytes written to a private file under a temporary name and
+    linked into place, so two runs starting at once end up with the one that was linked first."""
+    secret = read_secret()
+    if secret is not None:
+        return secret
+    path = secret_path()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(fd, "wb") as f:
+            f.write(secrets.token_bytes(SECRET_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):  # another run made it first: that one is the secret
+            os.link(tmp, path)
+    except OSError as e:
+        raise InputError(f"cannot make {path}, the secret that signs this run's checkpoints: {e.strerror}; set "
+                         f"{SECRET_FILE} to a file path this user can write (docs/checkpoints.md)") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return read_secret()
+
+
+def secret_id(secret: bytes) -> str:
+    """What a position records of the secret that signed it: tells this user's secret from another's, and gives
+    nothing of it away."""
+    return hmac.new(secret, b"textclf checkpoint secret id", hashlib.sha256).hexdigest()[:16]
+
+
+def signature(text: bytes, secret: bytes) -> str:
+    return hmac.new(secret, text, hashlib.sha256).hexdigest()
+
+
+def signature_matches(text: bytes, secret: bytes, signed: object) -> bool:
+    return isinstance(signed, str) and hmac.compare_digest(signature(text, secret), signed)
 
 
 def continue_advice(output_dir: str, free_space: bool = True) -> str:
