@@ -70,6 +70,10 @@ SEED = Rule(lambda value: 0 <= value < 2 ** 32, "must be in [0, 2**32 - 1]")  # 
 # Every other field must match the checkpoint's (RESUME_TABLE).
 MAY_CHANGE_ON_RESUME = "may change on resume"
 
+# What only the user may allow, on each command (a mark on the field): a resume never takes it from its checkpoint,
+# whose config anyone could have edited, so it may differ from the checkpoint's.
+USER_CONSENT = "the user's consent"
+
 # A local path as the user typed it (a mark on the field): a relative one starts from the folder the run started in,
 # which its checkpoints record, so that a resume from another folder reads the same files.
 LOCAL_PATH = "local path"
@@ -94,7 +98,7 @@ class TrainConfig:
     --mixed_precision (the launch's precision), which autocasts computations over the weights and, under DeepSpeed,
     keeps fp32 master weights: bfloat16 here halves the weights' memory, for a frozen LoRA base or under DeepSpeed;
     with plain full fine-tuning it trains entirely in bf16, Adam's states included."""
-    trust_remote_code: bool = False
+    trust_remote_code: Annotated[bool, MAY_CHANGE_ON_RESUME, USER_CONSENT] = False
     """Run the Python code a model folder or hub repo ships for its config, model or tokenizer (its auto_map).
     Without it such a model is refused; never prompted."""
     gradient_checkpointing: bool = False
@@ -239,7 +243,7 @@ class TrainConfig:
     complete one when there is one, else a fresh start (a requeued job's command). The run's config comes from the
     checkpoint; flags may change only what keeps the run exact or extends it (those marked
     MAY_CHANGE_ON_RESUME)."""
-    allow_pickle: Annotated[bool, MAY_CHANGE_ON_RESUME] = False
+    allow_pickle: Annotated[bool, MAY_CHANGE_ON_RESUME, USER_CONSENT] = False
     """Load a checkpoint from elsewhere (one this user's runs did not sign) whose files need full pickle, which can run
     code stored in them: FSDP's sharded metadata, or DeepSpeed files that hold more than DeepSpeed's own classes.
     This user's own checkpoints never need it."""
@@ -348,6 +352,9 @@ def field_rules() -> dict[str, list[Rule]]:
 
 # The fields a resumed run may set differently from its checkpoint (MAY_CHANGE_ON_RESUME).
 RESUME_MAY_CHANGE = tuple(name for name, marks in field_marks().items() if MAY_CHANGE_ON_RESUME in marks)
+
+# The fields only the user may set (USER_CONSENT).
+CONSENT_FIELDS = tuple(name for name, marks in field_marks().items() if USER_CONSENT in marks)
 
 # The fields that name local paths (LOCAL_PATH); `model` may name a hub id instead.
 PATH_FIELDS = tuple(name for name, marks in field_marks().items() if LOCAL_PATH in marks)

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from textclf.config import PATH_FIELDS, TrainConfig, field_names
+from textclf.config import CONSENT_FIELDS, PATH_FIELDS, TrainConfig, field_names
 from textclf.errors import InputError
 from textclf.launch import launch_environment, this_launch
 
@@ -157,8 +157,9 @@ def seen_from_here(position: dict) -> dict:
 
 def config_of(path: str, position: dict) -> Optional[dict]:
     """The config the checkpoint was made with, as defaults for the resumed run: its output_dir becomes the
-    folder that holds the checkpoint, so the run goes on where it was (even when the folder has moved). None for a
-    checkpoint written before checkpoints held their config: every flag must then be given again."""
+    folder that holds the checkpoint, so the run goes on where it was (even when the folder has moved); what only the
+    user may allow (CONSENT_FIELDS: --allow_pickle, --trust_remote_code) comes from this command line alone. None
+    for a checkpoint written before checkpoints held their config: every flag must then be given again."""
     config = position.get("config")
     if config is None:
         return None
@@ -170,4 +171,4 @@ def config_of(path: str, position: dict) -> Optional[dict]:
         config["eval_strategy"] = None  # derived from eval_steps: derive it again, from this run's eval_steps
     # Moving the folder aside was the starting run's act, not part of the run: a resume does not repeat it.
     return {**config, "output_dir": os.path.dirname(os.path.normpath(path)) or ".", "resume": None,
-            "overwrite_output_dir": False}
+            "overwrite_output_dir": False, **{key: False for key in CONSENT_FIELDS}}
