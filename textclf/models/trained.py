@@ -26,7 +26,7 @@ from textclf.checkpointing import (
     verify_checkpoint,
     weights_only_loads,
 )
-from textclf.config import TrainConfig, require_trained_model
+from textclf.config import CONSENT_FIELDS, TrainConfig, require_trained_model
 from textclf.errors import InputError
 
 from .build import lora_settings, make_model
@@ -133,7 +133,8 @@ def run_config(model_path: str, options: dict) -> TrainConfig:
     """The config of the run that trained `model_path` (defaults where it has none), with `options` given
     here (those not None) winning: what predict and report take the task and columns from."""
     known = {field.name for field in dataclasses.fields(TrainConfig)}
-    # The run's best-checkpoint metric is of no use here, and may not be a score of a task given here.
+    # The run's best-checkpoint metric is of no use here, and may not be a score of a task given here; the consents
+    # are this command's own.
     saved = {key: value for key, value in read_training(model_path).get("config", {}).items()
-             if key in known and key != "metric_for_best_model"}
+             if key in known and key != "metric_for_best_model" and key not in CONSENT_FIELDS}
     return TrainConfig(**{**saved, **{key: value for key, value in options.items() if value is not None}})
