@@ -129,6 +129,9 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
 
     # Data and model. Everything the user can get wrong is checked before anything is written.
     task = Task.from_config(cfg)  # what the labels are, how predictions are made and scored
+    # The scores are evaluate modules: the task's own, and each --metric's, found by the main process (it alone may
+    # fetch one, under evaluate's file lock) before the data is read; every process reads their files itself.
+    scores = task.scores_with(errors.checked_on_main_process(accelerator, lambda: Task.find_metrics(cfg.metric)))
     job = build_job(cfg, accelerator.local_main_process_first, start)  # a resume keeps the tokenizer it trained with
     accelerator.print(f"data: {len(job.train_set)} train / {len(job.eval_set)} eval examples, labels "
                       f"{job.label_names}; model: {cfg.model}, {in_units(parameter_counts(job.model)['params'])} "
@@ -204,13 +207,13 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
                                  task.greater_is_better(cfg.metric_for_best_model))
         return checkpointing.checkpoint_folder(cfg.output_dir, step)
 
-    outcome = fit(cfg, accelerator, Prepared(model, optimizer, scheduler, train_loader, eval_loader), task, schedule,
-                  position, save, watch)
+    outcome = fit(cfg, accelerator, Prepared(model, optimizer, scheduler, train_loader, eval_loader), task, scores,
+                  schedule, position, save, watch)
     if outcome.stopped:  # by a signal, after its checkpoint
         return
     step, metrics, best = outcome.step, outcome.metrics, outcome.best
     if not metrics:  # resumed from the last checkpoint: nothing left to train
-        metrics = evaluate(model, eval_loader, accelerator, task)
+        metrics = evaluate(model, eval_loader, accelerator, task, scores)
     if cfg.load_best_model_at_end and best:  # the best checkpoint's weights, unless they are the last step's
         folder = None
         if best["step"] != step:
@@ -225,7 +228,7 @@ def main(cfg: TrainConfig, start: Optional[Start] = None) -> None:
     accelerator.end_training()
 
 
-def fit(cfg: TrainConfig, accelerator: Accelerator, prepared: Prepared, task: Task, schedule: loop.Schedule,
+def fit(cfg: TrainConfig, accelerator: Accelerator, prepared: Prepared, task: Task, scores, schedule: loop.Schedule,
         position: dict, save, watch: loop.DivergenceWatch) -> Outcome:
     """The loop: one iteration per micro-batch; the work of an optimizer step happens where gradients sync."""
     model, optimizer, scheduler, train_loader, eval_loader = prepared
@@ -277,8 +280,8 @@ def fit(cfg: TrainConfig, accelerator: Accelerator, prepared: Prepared, task: Ta
             metrics = {}
             if step == total_steps or loop.due(cfg.eval_strategy, cfg.eval_steps, step, schedule.steps_per_epoch):
                 watch.check(step, model)
-                metrics, best, stop_early = evaluate_and_track(cfg, accelerator, model, eval_loader, task, step, best,
-                                                               total_steps)
+                metrics, best, stop_early = evaluate_and_track(cfg, accelerator, model, eval_loader, task, scores, step,
+                                                               best, total_steps)
                 total_steps = step if stop_early else total_steps
             # The last step is saved too, as the Trainer does: --resume latest or auto then finds the run finished.
             if loop.due(cfg.save_strategy, cfg.save_steps, step, schedule.steps_per_epoch) or stopping or (
@@ -298,11 +301,11 @@ def fit(cfg: TrainConfig, accelerator: Accelerator, prepared: Prepared, task: Ta
     return Outcome(step, metrics, best)
 
 
-def evaluate_and_track(cfg: TrainConfig, accelerator: Accelerator, model, eval_loader, task: Task, step: int,
+def evaluate_and_track(cfg: TrainConfig, accelerator: Accelerator, model, eval_loader, task: Task, scores, step: int,
                        best: Optional[dict], total_steps: int) -> tuple[dict, Optional[dict], bool]:
     """Evaluate and log; track the best evaluation (load_best_model_at_end). Returns the metrics, the best so far, and
     whether the run stops early here (its patience ran out before its last step)."""
-    metrics = evaluate(model, eval_loader, accelerator, task)
+    metrics = evaluate(model, eval_loader, accelerator, task, scores)
     accelerator.log(metrics, step=step)
     if cfg.load_best_model_at_end:
         best = loop.track_best(best, step, metrics, cfg.metric_for_best_model,
@@ -315,10 +318,11 @@ def evaluate_and_track(cfg: TrainConfig, accelerator: Accelerator, model, eval_l
     return metrics, best, stop_early
 
 
-def evaluate(model, eval_loader, accelerator: Accelerator, task: Task) -> dict:
-    """The task's scores over the whole eval set as eval_<key>, every process evaluating its shard, and eval_samples:
-    the eval set's size (`gather_for_metrics` drops the samples that the last batch repeats to even out the shards)."""
-    predictions_all, references_all = [], []
+def evaluate(model, eval_loader, accelerator: Accelerator, task: Task, scores) -> dict:
+    """The scores over the whole eval set as eval_<key>, every process evaluating its shard, and eval_samples: the
+    eval set's size (`gather_for_metrics` drops the samples that the last batch repeats to even out the shards). Every
+    process feeds the gathered batches to the evaluate modules (`scores`) and computes them alike."""
+    samples = 0
     was_training = model.training
     model.eval()
     with torch.no_grad():  # not inference_mode: ZeRO-3 gathers parameters during the forward pass
@@ -327,11 +331,10 @@ def evaluate(model, eval_loader, accelerator: Accelerator, task: Task) -> dict:
                           disable=not accelerator.is_local_main_process):
             predictions = task.predictions(model(**batch).logits)
             predictions, references = accelerator.gather_for_metrics((predictions, task.targets(batch["labels"])))
-            predictions_all += predictions.tolist()
-            references_all += references.tolist()
+            scores.add_batch(predictions=predictions.tolist(), references=references.tolist())
+            samples += len(references)
     model.train(was_training)
-    scores = task.compute_scores(predictions_all, references_all)
-    return {**{f"eval_{key}": value for key, value in scores.items()}, "eval_samples": len(references_all)}
+    return {**{f"eval_{key}": value for key, value in scores.compute().items()}, "eval_samples": samples}
 
 
 def log(accelerator: Accelerator, window: loop.Window, step: int, epoch: float, optimizer, progress,

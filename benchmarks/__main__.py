@@ -58,6 +58,11 @@ from .plan import OFFLINE, REPO, plan_jobs, plan_rows, rounds_dirs
 from .report import write_report
 
 
+def say(line: str) -> None:
+    """What the benchmark is doing, a line per stage: before its first row there are minutes of preparation."""
+    print(f"[bench] {line}", flush=True)
+
+
 @scoped
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
@@ -86,9 +91,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if only and only - known:
         parser.error(f"unknown row(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
 
+    say(f"the padding of one epoch of {data} in three orders (lengths only, no training)")
     machine = describe_machine()
     padding = epoch_padding(TrainConfig(data=data))
     matmul_repeats = 5 if args.quick else 10
+    say("the machine's fp32 matmul rate, which each row's model FLOP/s is held against")
     # The machine's speed drifts (other tenants of a VM), so the limit is measured before the first row and
     # after every row, and each row is held against the higher of the two measurements around it.
     matmuls = [matmul_limit(matmul_repeats)]
@@ -108,16 +115,23 @@ def main(argv: Optional[list[str]] = None) -> None:
                 rows = [row for row in rows if row["name"] in only]
             if not rows:
                 continue
+            say(f"job {job.model}: its data and model prepared (the tokenizer learnt, the examples tokenized) for "
+                f"{len(rows)} row(s)")
             files = job_data(job, data, scratch)
             shape = prepare_job(job, *files)
             deepspeed_rows = [r for r in rows if r.get("zero_stage") is not None and "skipped" not in r]
+            if deepspeed_rows:
+                say("DeepSpeed's CPU ops compiled, or loaded from their cache")
             deepspeed_ops = warm_deepspeed_ops() if deepspeed_rows else None
             section = {"job": job, "shape": shape, "rows": [], "data_name": data, "deepspeed_ops": deepspeed_ops}
             sections.append(section)
             rounds = []
             for runs_dir in rounds_dirs(out_dir / "runs", args.repeats):
                 rounds.append([])
-                for row in rows:
+                for number, row in enumerate(rows, start=1):
+                    say(f"row {number} of {len(rows)}" + (f", round {len(rounds)} of {args.repeats}" if args.repeats > 1
+                                                          else "") + f": {row['name']}"
+                        + (f" skipped ({row['skipped']})" if "skipped" in row else ""))
                     rounds[-1].append(row if "skipped" in row else run_measured(row, job, files, shape, runs_dir))
                     # Written after every row: a benchmark stopped or failed later keeps the rows it finished.
                     section["rows"] = [median_run([runs[i] for runs in rounds if i < len(runs)])

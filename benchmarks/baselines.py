@@ -158,7 +158,8 @@ def hf_trainer(cfg: TrainConfig, equal_settings: bool, speed_flags: bool = False
     trainer.train()
     # The same evaluation as train.py's, on the Trainer's own Accelerator.
     eval_loader = trainer.accelerator.prepare(loaders(cfg, train_set, eval_set, tokenizer)[1])
-    log.log(evaluate(trainer.model, eval_loader, trainer.accelerator, Task.from_config(cfg)),
+    task = Task.from_config(cfg)
+    log.log(evaluate(trainer.model, eval_loader, trainer.accelerator, task, task.scores_with([])),
             trainer.state.global_step)
 
 

@@ -21,7 +21,8 @@ ZOO = REPO / "accelerate_configs"
 # The zoo files that run without CUDA (ranks over gloo); every other file needs GPUs.
 CPU_ZOO = ("cpu", "zero2", "zero2_offload", "zero3", "zero3_offload")
 # No row may reach a hub: the benchmark works offline, like the template.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from forked import run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 # No test may reach a hub: the suite proves the template works offline.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 os.environ.update(OFFLINE)
 # The secret train.py signs its checkpoints with (textclf/checkpointing/write.py): the suite's own, never the user's.

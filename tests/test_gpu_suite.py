@@ -72,11 +72,12 @@ def test_the_wheels_come_from_the_projects_own_dependencies_less_the_gpu_image()
     assert plan.returncode == 0, plan.stderr
     wheels = dict(line.split() for line in plan.stdout.splitlines())
     # The project's packages that the image lacks, each at the version the CPU tests ran, and what they need.
-    for name in ("datasets", "deepspeed", "snownlp", "dill", "multiprocess", "hjson", "pydantic", "pydantic-core"):
+    for name in ("datasets", "evaluate", "deepspeed", "snownlp", "dill", "multiprocess", "hjson", "pydantic",
+                 "pydantic-core"):
         assert wheels[name] == version(name), name
     assert wheels["liger-kernel"] == "-" or wheels["liger-kernel"] == version("liger-kernel")  # the GPU extra
     # No longer a dependency, or the image's own: never brought along.
-    for name in ("evaluate", "torch", "triton", "transformers", "accelerate", "peft", "numpy", "typing-extensions"):
+    for name in ("torch", "triton", "transformers", "accelerate", "peft", "numpy", "typing-extensions"):
         assert name not in wheels, name
 
 

@@ -131,6 +131,7 @@ def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny
     predict_logits(model, tokenizer, texts, batch_size=2, progress=True)
     assert "predict: " in capsys.readouterr().err
     table = tokenize(Dataset.from_dict({"text": texts, "labels": [1, 0, 1, 1, 0]}), tokenizer, 32)
-    scores = evaluate(model, length_sorted_loader(table, tokenizer, 8), inference_accelerator(),
-                            Task.of("single_label", "review", "label"))
+    task = Task.of("single_label", "review", "label")
+    scores = evaluate(model, length_sorted_loader(table, tokenizer, 8), inference_accelerator(), task,
+                      task.scores_with([]))
     assert scores["eval_samples"] == 5 and "eval: " in capsys.readouterr().err

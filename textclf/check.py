@@ -166,6 +166,19 @@ def check_fsdp_wrap(launch: dict, model, model_name: str, conflicts: list[str], 
     return f"{', '.join(names)} (named in {launch['path']})"
 
 
+def planned_metrics(cfg: TrainConfig, conflicts: list[str]) -> str:
+    """The scores an evaluation of this run logs: the task's, and each --metric's module, found as train.py finds it
+    (one it cannot find is a conflict)."""
+    task = Task.from_config(cfg)
+    found = []
+    for name in dict.fromkeys(cfg.metric):
+        try:
+            found += [f"{name} ({metric.path})" for metric in Task.find_metrics([name])]
+        except InputError as e:
+            conflicts.append(str(e))
+    return ", ".join([*(f"eval_{key}" for key, _, _ in task.scores), *(f"the keys of {name}" for name in found)])
+
+
 def planned_resume(cfg: TrainConfig, training_args: list[str], launch: dict,
                    conflicts: list[str]) -> tuple[TrainConfig, Optional[str]]:
     """The config a resume trains with on this launch (the checkpoint's under the command line's, split to keep its
@@ -252,6 +265,7 @@ def check(args: argparse.Namespace, cfg: TrainConfig) -> tuple[list[tuple[str, s
                   + (f" ({trainable / params:.2%}, LoRA)" if cfg.lora else "")
                   + (f"; {vocabulary}" if vocabulary else "")),
         *([("fsdp wraps", fsdp_wrap)] if fsdp_wrap else []),
+        ("metrics", planned_metrics(cfg, conflicts)),
         *memory_report(cfg, model.config, params, trainable, offloaded, kind=kind, world=max(world, 1), stage=stage,
                        zero=zero, precision=precision, on_gpu=has_cuda(args.target)),
     ]

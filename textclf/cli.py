@@ -18,7 +18,15 @@ from typing import Literal, Optional
 import yaml
 
 from textclf.checkpointing import Start, plan_start, read_resume
-from textclf.config import HELP_SECTIONS, TrainConfig, field_helps, field_names, require_local_model
+from textclf.config import (
+    ADDS_UP,
+    HELP_SECTIONS,
+    TrainConfig,
+    field_helps,
+    field_marks,
+    field_names,
+    require_local_model,
+)
 from textclf.errors import InputError, say
 from textclf.tasks import KINDS
 
@@ -104,6 +112,7 @@ def parse_config(argv: Optional[list[str]] = None, under: Optional[dict] = None)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     recipe, rest = pre.parse_known_args(argv)
+    rest = joined_repeats(rest)
     from_recipe = []
     if recipe.config:
         from_recipe = recipe_args(recipe.config)
@@ -153,6 +162,27 @@ def plan_run(cfg: TrainConfig, argv: Optional[list[str]] = None,
         if start.resplit:
             say(start.resplit)
     return cfg, start
+
+
+def joined_repeats(args: list[str]) -> list[str]:
+    """An option that adds up (ADDS_UP) given again on the command line adds to its list (`--metric a --metric b` is
+    `--metric a b`), where argparse would keep the last; the whole list still wins over a recipe's or a resumed
+    checkpoint's."""
+    lists = {f"--{name}" for name, marks in field_marks().items() if ADDS_UP in marks}
+    segments = []  # each option with the values after it: [flag, values]
+    for arg in args:
+        if arg.startswith("--") or not segments:
+            flag, equals, value = arg.partition("=")
+            segments.append([flag if flag in lists else arg, [value] if equals and flag in lists else []])
+        else:
+            segments[-1][1].append(arg)
+    joined = {}
+    for flag, values in segments:
+        if flag in lists and flag in joined:
+            joined[flag] += values
+        else:
+            joined[flag if flag in lists else len(joined)] = [flag, *values]
+    return [arg for values in joined.values() for arg in values]
 
 
 class RecipeLoader(yaml.SafeLoader):

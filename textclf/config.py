@@ -74,6 +74,10 @@ MAY_CHANGE_ON_RESUME = "may change on resume"
 # whose config anyone could have edited, so it may differ from the checkpoint's.
 USER_CONSENT = "the user's consent"
 
+# A list option that adds up when given again (a mark on the field): `--metric a --metric b` is `--metric a b`. Other
+# options keep the last value given, so that a command line may end with overrides of what it starts with.
+ADDS_UP = "adds up"
+
 # A local path as the user typed it (a mark on the field): a relative one starts from the folder the run started in,
 # which its checkpoints record, so that a resume from another folder reads the same files.
 LOCAL_PATH = "local path"
@@ -229,9 +233,14 @@ class TrainConfig:
     """Checkpoint (step_<N>/) every this many optimizer steps."""
     save_total_limit: Annotated[Optional[int], POSITIVE_INT, MAY_CHANGE_ON_RESUME] = None
     """Keep this many newest checkpoints, plus the best by metric_for_best_model."""
+    metric: Annotated[list[str], MAY_CHANGE_ON_RESUME, ADDS_UP] = field(default_factory=list)
+    """More scores, each an evaluate module, logged as eval_<key> beside the task's own: a Hub name
+    (matthews_correlation; glue:mrpc with a config), found in evaluate's cache or fetched once online, or a local .py
+    file or a folder holding one (docs/tasks.md). Several: --metric a b, or --metric given again. A resume keeps the
+    checkpoint's unless given."""
     metric_for_best_model: Optional[str] = None
-    """Metric that picks the best checkpoint (the highest, or the lowest for an error such as eval_mse); default: the
-    task's main one ({main_metrics})."""
+    """Metric that picks the best checkpoint (the highest, or the lowest for an error such as eval_mse, and for a key
+    of --metric that names an error or a loss); default: the task's main one ({main_metrics})."""
     load_best_model_at_end: Annotated[bool, MAY_CHANGE_ON_RESUME] = False
     """Export the best checkpoint by metric_for_best_model (run.json says which step) instead of the last weights;
     needs checkpoints at every evaluation (same strategy and steps)."""
@@ -317,9 +326,9 @@ class TrainConfig:
         metric = self.metric_for_best_model or KINDS[self.task].main_metric
         self.metric_for_best_model = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer does
         metrics = [f"eval_{key}" for key, _, _ in KINDS[self.task].load().scores]
-        if self.metric_for_best_model not in metrics:
+        if self.metric_for_best_model not in metrics and not self.metric:  # --metric's keys: at the first evaluation
             raise InputError(f"metric_for_best_model {self.metric_for_best_model} is not a score of task {self.task} "
-                             f"(it has {', '.join(metrics)})")
+                             f"(it has {', '.join(metrics)}; a score of another module comes with --metric)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -176,20 +176,21 @@ def gist(error: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0].rstrip(".")
 
 
-def checked_on_main_process(accelerator, check) -> None:
-    """Run `check` on the main process alone (collective: every rank calls it); if it raises an InputError,
-    every rank raises it, so that the run stops as one and rank 0 reports it."""
+def checked_on_main_process(accelerator, check):
+    """Run `check` on the main process alone (collective: every rank calls it) and return what it returned, on every
+    rank; if it raises an InputError, every rank raises it, so that the run stops as one and rank 0 reports it."""
     from accelerate.utils import broadcast_object_list
 
-    message = None
+    message = result = None
     if accelerator.is_main_process:
         try:
-            check()
+            result = check()
         except InputError as e:
             message = str(e)
-    message = broadcast_object_list([message])[0]
+    message, result = broadcast_object_list([message, result])
     if message is not None:
         raise InputError(message)
+    return result
 
 
 # How long a rank other than 0 keeps its error to itself, waiting for the launcher to stop it once rank 0

@@ -20,7 +20,7 @@ from typing import Optional
 from textclf import files
 from textclf.cli import add_loading_options, add_task_options
 from textclf.config import DEFAULT_DATA, HELD_OUT, TrainConfig, require_data, require_trained_model
-from textclf.errors import InputError, die_with_launcher, run_command, write_failed
+from textclf.errors import InputError, checked_on_main_process, die_with_launcher, run_command, write_failed
 
 REPORT = "report.json"
 
@@ -191,6 +191,8 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     cfg = run_config(args.model, {**{key: getattr(args, key) for key in options}, "data": args.train_data})
     task = Task.from_config(cfg)
     accelerator = inference_accelerator()
+    # The run's scores, by the same evaluate modules: the task's, and those its --metric named (found first).
+    scores = task.scores_with(checked_on_main_process(accelerator, lambda: Task.find_metrics(cfg.metric)))
     model, tokenizer = load_trained(args.model, args.allow_pickle, args.trust_remote_code)
     names = label_names(model)
     table, _ = read_labelled(args.file, task, args.delimiter, args.encoding, names)  # an unknown label stops it here
@@ -201,8 +203,9 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
                             accelerator=accelerator, progress=True)
     if accelerator.is_main_process:
         references, predictions = table["labels"][:], task.predictions(logits).tolist()
+        scores.add_batch(predictions=predictions, references=references)
         report = {"model": args.model, "file": args.file, "task": task.kind,
-                  "samples": len(references), **task.compute_scores(predictions, references, names),
+                  "samples": len(references), **scores.compute(names=names),
                   **task.figures(references, predictions, names)}  # scores over every label the model has
         print(f"model:    {task.summary(report, prefix='', separator=' | ')} | {len(table)} examples of {args.file}")
         if train is not None:

@@ -8,13 +8,14 @@ wherever the folder has moved.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
 from typing import Optional
 
 from textclf import files
-from textclf.config import TrainConfig
+from textclf.config import RESUME_MAY_CHANGE, TrainConfig
 from textclf.errors import InputError, write_failed
 from textclf.launch import launch_environment
 
@@ -79,12 +80,13 @@ def run_folder(cfg: TrainConfig) -> str:
 
 def find_checkpoint(cfg: TrainConfig) -> Optional[str]:
     """The checkpoint that --resume names, or None for a fresh run; refuses to mix runs in one folder."""
-    return find_resume_checkpoint(resolved_checkpoint(cfg.resume), run_folder(cfg), cfg.overwrite_output_dir)
+    return find_resume_checkpoint(resolved_checkpoint(cfg.resume), run_folder(cfg), cfg.overwrite_output_dir, cfg)
 
 
-def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
+def find_resume_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool,
+                           cfg: Optional[TrainConfig] = None) -> Optional[str]:
     """find_checkpoint's choice in `output_dir`, said where `--resume latest` passes over a lost checkpoint."""
-    path = choose_checkpoint(resume, output_dir, overwrite)
+    path = choose_checkpoint(resume, output_dir, overwrite, cfg)
     if resume == "latest":
         warn_of_lost_positions(output_dir, path)
     return path
@@ -99,17 +101,43 @@ def resolved_checkpoint(resume: Optional[str]) -> Optional[str]:
     return real if real != os.path.abspath(resume) else resume
 
 
-def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool) -> Optional[str]:
+def choose_checkpoint(resume: Optional[str], output_dir: str, overwrite: bool,
+                      cfg: Optional[TrainConfig] = None) -> Optional[str]:
     """The checkpoint of `output_dir` that `resume` names (find_checkpoint; made again under the output folder's
-    lock, claim_output_dir)."""
+    lock, claim_output_dir). A fresh run into a folder that holds checkpoints is refused, with the advice that fits:
+    `--resume latest` where the newest was made with this run's config (`cfg`), another folder where it was not."""
     existing = complete_checkpoints(output_dir)
     if resume not in (None, "auto"):
         return named_checkpoint(resume, output_dir, overwrite, existing)
     if resume == "auto":  # one command that starts a run and continues it (a requeued job reruns its command)
         return existing[-1][1] if existing else None
     if existing and not overwrite:
-        raise InputError(f"{output_dir} already holds checkpoints (newest {existing[-1][1]}); pass --resume latest "
-                         "to continue that run, or --overwrite_output_dir to start over")
+        newest = existing[-1][1]
+        other = differs_from(newest, cfg) if cfg is not None else None
+        if other:
+            raise InputError(f"{output_dir} already holds checkpoints of another run (newest {newest}, made with "
+                             f"{other}); choose another --output_dir, or pass --overwrite_output_dir to move that "
+                             "run aside")
+        raise InputError(f"{output_dir} already holds checkpoints (newest {newest}); pass --resume latest to continue "
+                         "that run, or --overwrite_output_dir to start over")
+    return None
+
+
+def differs_from(checkpoint: str, cfg: TrainConfig) -> Optional[str]:
+    """How the config `checkpoint` was made with differs from `cfg` in what a resume would refuse to change (the first
+    such field, as `<field> = <its value>, this run has <value>`), or None: `--resume latest` would continue it. A
+    position.json that does not read, or records no config, says nothing either way (None)."""
+    try:
+        with open(os.path.join(checkpoint, POSITION), encoding="utf-8") as f:
+            made_with = json.load(f).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(made_with, dict):
+        return None
+    ignored = {*RESUME_MAY_CHANGE, "resume", "overwrite_output_dir", "output_dir"}
+    for key, value in cfg.to_dict().items():
+        if key not in ignored and key in made_with and made_with[key] != value:
+            return f"{key} = {made_with[key]}, this run has {value}"
     return None
 
 

@@ -22,7 +22,8 @@ def check_command_line(cfg) -> None:
 def check_launch_early(cfg) -> None:
     """Once plan_start has given `cfg` (a resumed run's batch split included): float16 weights under fp16's
     loss scaler, a DeepSpeed JSON hard-coding what the training config owns; then, with torch loaded but not yet
-    transformers or the data, what this machine lacks: a CUDA GPU for a GPU file, fp16 or FSDP, a tracker asked for."""
+    transformers or the data, what this machine lacks: a CUDA GPU for a GPU file, fp16, FSDP or Liger's kernels, a
+    tracker asked for."""
     launch = this_launch(cfg.mixed_precision)
     refuse_float16_weights(cfg, cfg.torch_dtype)
     if launch["zero_stage"] is not None:
@@ -31,6 +32,9 @@ def check_launch_early(cfg) -> None:
 
     if not torch.cuda.is_available():
         refuse_without_cuda(launch["mixed_precision"])
+        if cfg.use_liger_kernel:  # Liger's kernels are Triton's: said now, not once the data is read
+            raise InputError("--use_liger_kernel needs a CUDA GPU (Triton kernels), and this machine has none; leave "
+                             "it out (auto turns it on where it can run)")
     if cfg.report_to != ["none"]:
         check_trackers(cfg.report_to)
 

@@ -2,7 +2,6 @@
 
 import json
 from collections import Counter
-from typing import Optional
 
 from textclf.errors import InputError
 
@@ -15,6 +14,7 @@ class MultiLabel(Task):
     problem_type = "multi_label_classification"
     scores = [("micro_f1", "micro-F1", True), ("macro_f1", "macro-F1", True),
               ("subset_accuracy", "subset accuracy", True)]
+    scores_module = "textclf.tasks.scores:MultiLabelScores"  # the evaluate module that computes them
 
     def label(self, cell, row: str) -> list[str]:
         """A JSON list of names, or names joined by the separator (a CSV cell); empty or missing: no label, []."""
@@ -70,14 +70,6 @@ class MultiLabel(Task):
 
     def targets(self, labels):
         return labels.long()  # the multi-hot floats as 0/1
-
-    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        from sklearn.metrics import accuracy_score, f1_score
-
-        # On 0/1 indicator rows scikit-learn's accuracy is subset accuracy (every label of the example right).
-        return {"micro_f1": float(f1_score(references, predictions, average="micro", zero_division=0)),
-                "macro_f1": float(f1_score(references, predictions, average="macro", zero_division=0)),
-                "subset_accuracy": float(accuracy_score(references, predictions))}
 
     def predicted(self, logits, names: list[str]) -> list[dict]:
         """`label_names` (those above the threshold) and `prob_<name>` per label (sigmoid)."""

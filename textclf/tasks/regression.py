@@ -12,6 +12,7 @@ class Regression(Task):
     kind = "regression"
     problem_type = "regression"
     scores = [("mse", "MSE", False), ("pearson", "Pearson", True), ("spearman", "Spearman", True)]
+    scores_module = "textclf.tasks.scores:RegressionScores"  # the evaluate module that computes them
     picture = "predicted_vs_true.png"
     output = "score"  # the name of the model's one output (its id2label) and of predict's column
     bins = 10  # the most quantile bins of the target that stratify the held-out split
@@ -69,14 +70,6 @@ class Regression(Task):
         """The one output."""
         return logits[:, 0].float()
 
-    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        from scipy.stats import pearsonr, spearmanr
-        from sklearn.metrics import mean_squared_error
-
-        return {"mse": float(mean_squared_error(references, predictions)),
-                "pearson": correlation(pearsonr, predictions, references),
-                "spearman": correlation(spearmanr, predictions, references)}
-
     def predicted(self, logits, names: list[str]) -> list[dict]:
         return [{self.output: float(score)} for score in self.predictions(logits)]
 
@@ -91,11 +84,3 @@ class Regression(Task):
 
 # The largest float32, the type labels are trained in: a larger label would be infinite there.
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-def correlation(function, predictions, references) -> Optional[float]:
-    """None where a correlation is undefined (fewer than two examples, or a constant side), not SciPy's nan."""
-    if min(len(set(predictions)), len(set(references))) < 2:
-        return None
-    value = float(function(predictions, references)[0])
-    return None if math.isnan(value) else value

@@ -1,7 +1,6 @@
 """--task single_label, the default: one label per text, a softmax over the labels."""
 
 from collections import Counter
-from typing import Optional
 
 from textclf.errors import InputError
 
@@ -14,6 +13,7 @@ class SingleLabel(Task):
     kind = "single_label"
     problem_type = "single_label_classification"
     scores = [("accuracy", "accuracy", True), ("f1", "macro-F1", True)]
+    scores_module = "textclf.tasks.scores:SingleLabelScores"  # the evaluate module that computes them
     fewest_labels = 2
     picture = "confusion_matrix.png"
 
@@ -91,15 +91,6 @@ class SingleLabel(Task):
     def predictions(self, logits):
         """Logits (a tensor, examples x outputs) to what the scores take: here the likeliest label's id."""
         return logits.argmax(dim=-1)
-
-    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
-        """The scores by key; `names`: every label the model has, which the report averages over, else those that
-        occur. scikit-learn's and SciPy's, as `evaluate`'s metric scripts (on the Hub) call them."""
-        from sklearn.metrics import accuracy_score, f1_score
-
-        labels = list(range(len(names))) if names else None
-        return {"accuracy": float(accuracy_score(references, predictions)),
-                "f1": float(f1_score(references, predictions, average="macro", labels=labels, zero_division=0))}
 
     def predicted(self, logits, names: list[str]) -> list[dict]:
         """Each example's prediction as predict writes it: here the label's id and name, and a softmax

@@ -11,6 +11,9 @@ from typing import ClassVar, Optional
 
 from textclf.errors import InputError
 
+# Words that make a key a --metric added lower-is-better (greater_is_better); any other key is better higher.
+LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "rmse", "wer", "cer", "perplexity", "distance")
+
 # The spellings of a missing number that pandas reads as NaN by default, which this project's readers keep as text
 # (load_table); lower case. `None` and `null` stay names: a class of that name is common.
 NAN_SPELLINGS = {"nan", "-nan", "na", "<na>", "n/a", "#n/a", "#na"}
@@ -18,9 +21,10 @@ NAN_SPELLINGS = {"nan", "-nan", "na", "<na>", "n/a", "#n/a", "#na"}
 
 @dataclass(frozen=True)
 class Task:
-    """What every kind shares. A kind (a subclass, registered in KINDS) sets the class attributes below and defines
-    label, label_names, encode_labels, cell, strata, predictions, compute_scores, predicted, shown and baseline
-    (see SingleLabel's); it may change check_labels, targets and figures."""
+    """What every kind shares. A kind (a subclass, registered in KINDS) sets the class attributes below (its scores
+    computed by the evaluate module scores_module names) and defines label, label_names, encode_labels, cell, strata,
+    predictions, predicted, shown and baseline (see SingleLabel's); it may change check_labels, targets and
+    figures."""
 
     text_column: str
     label_column: str
@@ -31,6 +35,7 @@ class Task:
     kind: ClassVar[str]  # the --task name
     problem_type: ClassVar[str]  # transformers' name: picks the model's loss and the pipeline's function
     scores: ClassVar[list[tuple[str, str, bool]]]  # key (logged as eval_<key>), title, whether higher is better
+    scores_module: ClassVar[str]  # "module:Class", the evaluate module that computes them (scores.py has the kinds')
     fewest_labels: ClassVar[int] = 1  # the smallest head (for the check, which reads no data)
     exact_labels: ClassVar[bool] = True  # a label is a name or an integer, which a rounded float is not
     picture: ClassVar[Optional[str]] = None  # the file report draws (report.DRAWINGS)
@@ -121,8 +126,43 @@ class Task:
         return labels
 
     def greater_is_better(self, metric: str) -> bool:
-        """Whether a higher `metric` (eval_<key> or <key>) is better: which checkpoint is the best."""
-        return {key: higher for key, _, higher in self.scores}[metric.removeprefix("eval_")]
+        """Whether a higher `metric` (eval_<key> or <key>) is better: which checkpoint is the best. A key --metric
+        added is better higher unless its name says it is an error or a loss (LOWER_IS_BETTER)."""
+        key = metric.removeprefix("eval_")
+        own = {key: higher for key, _, higher in self.scores}
+        return own[key] if key in own else not any(word in key.lower() for word in LOWER_IS_BETTER)
+
+    def evaluation_module(self):
+        """A fresh instance of the evaluate module that computes this kind's scores (scores_module), kept in memory."""
+        from . import scores  # evaluate, heavy: imported where scores are computed, not with the kinds
+
+        module, _, name = self.scores_module.partition(":")
+        return scores.kept_in_memory(getattr(importlib.import_module(module), name))
+
+    def compute_scores(self, predictions: list, references: list, names: Optional[list[str]] = None) -> dict:
+        """The scores by key of `predictions` against `references` (what `predictions` and `targets` give), by the
+        kind's evaluate module; `names`: every label the model has, which an average over labels takes (the report),
+        else those that occur."""
+        module = self.evaluation_module()
+        module.add_batch(predictions=predictions, references=references)
+        return module.compute(names=names)
+
+    def scores_with(self, added: list):
+        """What a run's evaluation feeds and computes (scores.Scores): this kind's module and those of the --metric
+        modules `added` (find_metrics' FoundMetric, read here from their files)."""
+        from . import scores
+
+        return scores.Scores(self.evaluation_module(), [(found.name, scores.load_metric(found)) for found in added])
+
+    @staticmethod
+    def find_metrics(names: list[str]) -> list:
+        """The --metric modules `names`, found (scores.find_metric): where they are cached or given, or fetched once
+        online. One process does it, and the others read the files it found."""
+        if not names:
+            return []
+        from . import scores
+
+        return [scores.find_metric(name) for name in dict.fromkeys(names)]
 
     def summary(self, scores: dict, prefix: str = "eval_", separator: str = ", ") -> str:
         """'accuracy 0.8180, macro-F1 0.8170': the scores by title (n/a: undefined, e.g. a constant prediction)."""
