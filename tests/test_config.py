@@ -1,6 +1,7 @@
 """The typed config: defaults < checkpoint < YAML recipe < command line, every bad value refused, --help."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -197,3 +198,34 @@ def test_an_output_dir_that_is_a_file_says_so_before_torch(tmp_path):
                                                "choose another --output_dir (or move that file away)"], said
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert "torch" not in imported
+
+
+def test_liger_without_cuda_is_refused_before_the_data(tmp_path, reviews_csv):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: Liger's kernels may run here")
+    result = subprocess.run([sys.executable, "train.py", "--use_liger_kernel", "--data", str(reviews_csv),
+                             "--output_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and said == ["error: --use_liger_kernel needs a CUDA GPU (Triton kernels), and this "
+                                               "machine has none; leave it out (auto turns it on where it can run)"]
+    assert "data:" not in result.stdout and not (tmp_path / "out").exists()
+
+
+def test_a_fresh_run_into_another_run_s_folder_suggests_another_folder(tmp_path):
+    from textclf.checkpointing.folders import find_checkpoint
+    from textclf.config import TrainConfig
+
+    step = tmp_path / "run" / "step_4"
+    step.mkdir(parents=True)
+    (step / "position.json").write_text(json.dumps({"step": 4, "config": TrainConfig().to_dict()}))
+    with pytest.raises(InputError, match=r"already holds checkpoints \(newest .*step_4\); pass --resume latest"):
+        find_checkpoint(TrainConfig(output_dir=str(tmp_path / "run")))
+    with pytest.raises(InputError, match=r"already holds checkpoints of another run \(newest .*step_4, made with "
+                                         r"learning_rate = 0.001, this run has 0.1\); choose another --output_dir"):
+        find_checkpoint(TrainConfig(output_dir=str(tmp_path / "run"), learning_rate=0.1))
+    # What may change on a resume is no other run.
+    with pytest.raises(InputError, match="pass --resume latest"):
+        find_checkpoint(TrainConfig(output_dir=str(tmp_path / "run"), max_steps=99, logging_steps=7))
