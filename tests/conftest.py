@@ -511,3 +511,41 @@ def four_step_run(tmp_path_factory, reviews_csv, cache_dir) -> Path:
                        if line.startswith("import time:") and line.count("|") == 2} - {"imported package"})
     out.with_name(f"{out.name}.imports").write_text("\n".join(imported), encoding="utf-8")
     return out
+
+
+# --- Shared by the tests of several modules ---------------------------------------------------------------------
+
+def one_line(raised) -> str:
+    """The one line of a pytest.raises' InputError (asserted one)."""
+    lines = str(raised.value).splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+class RunsCode:
+    """Unpickling this creates a marker file: what a malicious checkpoint would do instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+VICTIM = "another user's file\n"
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    """A file and a folder outside the output folder, which a planted link points at: nothing may write them."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "folder").mkdir(parents=True)
+    (elsewhere / "file").write_text(VICTIM)
+    (elsewhere / "folder" / "file").write_text(VICTIM)
+    return elsewhere
+
+
+def untouched(victim: Path) -> bool:
+    """Nothing written into `victim`, nor over what it holds."""
+    return sorted(os.listdir(victim)) == ["file", "folder"] and sorted(os.listdir(victim / "folder")) == ["file"] \
+        and (victim / "file").read_text() == VICTIM and (victim / "folder" / "file").read_text() == VICTIM

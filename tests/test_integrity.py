@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from conftest import one_line
 from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.verify import read_position, read_verified_position, verify_checkpoint, verify_files
 from textclf.checkpointing.write import own_secret, sealed
@@ -28,12 +29,6 @@ def flip_byte(path, offset=None):
     offset = len(data) // 2 if offset is None else offset
     data[offset] ^= 0x01
     path.write_bytes(bytes(data))
-
-
-def one_line(error) -> str:
-    lines = str(error.value).splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def test_every_file_is_recorded_with_its_sha256_and_position_json_with_its_own(step_2):

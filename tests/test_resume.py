@@ -19,7 +19,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from conftest import OFFLINE, REPO, TINY, losses, read_log, run_train, train_command, train_forked
+from conftest import OFFLINE, REPO, TINY, RunsCode, losses, read_log, run_train, train_command, train_forked
 
 CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 
@@ -386,16 +386,6 @@ def test_a_fresh_run_refuses_a_folder_that_holds_checkpoints(args, checkpoint_ru
     result = train([*args, "--max_steps", 4, "--output_dir", checkpoint_run], check=False)
     assert result.returncode == 2
     assert "already holds checkpoints" in result.stderr and "--resume latest" in result.stderr
-
-
-class RunsCode:
-    """Unpickling this creates a marker file: what a malicious checkpoint would do instead."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from test_integrity import as_an_older_textclf_wrote_it
 from test_resume import assert_same_run
 
-from conftest import TINY, assert_refused, train_forked
+from conftest import TINY, assert_refused, one_line, train_forked
 from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.plan import Start
 from textclf.checkpointing.verify import read_verified_position
@@ -29,12 +29,6 @@ def says_checkpoint_tokenizer(output: str, checkpoint) -> bool:
 @pytest.fixture
 def step_2(tmp_path, four_step_run):
     return shutil.copytree(four_step_run / "step_2", tmp_path / "step_2")
-
-
-def one_line(refused) -> str:
-    lines = str(refused.value).splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def edit_position(checkpoint, edit) -> None:

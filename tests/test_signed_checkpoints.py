@@ -11,7 +11,7 @@ import stat
 import pytest
 import torch
 
-from conftest import REPO, TINY, another_user, losses, train_forked
+from conftest import REPO, TINY, RunsCode, another_user, losses, train_forked
 from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.load import refuse_other_counts
 from textclf.checkpointing.pickles import FORCE_WEIGHTS_ONLY, weights_only_loads
@@ -137,16 +137,6 @@ def test_who_wrote_a_checkpoint_is_judged_by_its_signature(step_2, tmp_path):
 
 
 # --- pickles ---
-
-
-class RunsCode:
-    """Unpickling this creates a marker file: what a malicious checkpoint would do instead."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 @pytest.mark.parametrize("pickled_by", ["torch.save", "pickle.dump"])

@@ -13,22 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import OFFLINE, REPO, TINY, run_train
+from conftest import OFFLINE, REPO, TINY, run_train, untouched
 from textclf.checkpointing.folders import checkpoint_folder
 from textclf.checkpointing.write import sealed_checkpoint
 from textclf.errors import PEER_ENDED, InputError, write_failed
-
-VICTIM = "another user's file\n"
-
-
-@pytest.fixture
-def victim(tmp_path) -> Path:
-    """A file and a folder outside the output folder, which a planted link points at: nothing may write them."""
-    elsewhere = tmp_path / "elsewhere"
-    (elsewhere / "folder").mkdir(parents=True)
-    (elsewhere / "file").write_text(VICTIM)
-    (elsewhere / "folder" / "file").write_text(VICTIM)
-    return elsewhere
 
 
 def save_checkpoint(accelerator, output_dir: str, position: dict) -> str:
@@ -42,11 +30,6 @@ def plant(link: Path, target: Path) -> Path:
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(target)
     return link
-
-
-def untouched(victim: Path) -> bool:
-    return (victim / "file").read_text() == VICTIM and sorted(os.listdir(victim / "folder")) == ["file"] and \
-        (victim / "folder" / "file").read_text() == VICTIM
 
 
 def test_a_link_in_place_of_the_lock_is_refused_and_its_target_left_alone(tmp_path, victim):

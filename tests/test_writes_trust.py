@@ -11,22 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, assert_refused, losses, run_train
-
-VICTIM = "another user's file\n"
-
-
-@pytest.fixture
-def victim(tmp_path) -> Path:
-    """A folder outside the output folder, which a planted link points at: nothing may write into it."""
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (elsewhere / "file").write_text(VICTIM)
-    return elsewhere
-
-
-def untouched(victim: Path) -> bool:
-    return os.listdir(victim) == ["file"] and (victim / "file").read_text() == VICTIM
+from conftest import TINY, assert_refused, losses, run_train, untouched
 
 
 @pytest.fixture
@@ -224,7 +209,7 @@ def test_usual_modes_leave_links_and_what_they_point_at_alone(tmp_path, victim):
 
 # --- No empty folder left by a failed command ----------------------------------------------------------------
 
-def full_disk(*args, **kwargs):
+def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
@@ -234,7 +219,7 @@ def test_a_failed_claim_removes_the_empty_folders_it_made_and_keeps_what_was_the
     from textclf.checkpointing.output_dir import claim_output_dir
     from textclf.errors import InputError
 
-    monkeypatch.setattr(files, "open_lock", full_disk)
+    monkeypatch.setattr(files, "open_lock", no_space)
     made = tmp_path / "new" / "out"
     with pytest.raises(InputError, match=f"cannot lock {made}: No space left on device"):
         claim_output_dir(accelerator, str(made), None, False, None)
