@@ -12,7 +12,7 @@ Steps, each under its share of the budget (a step that runs out is stopped, and 
    no network): `pip install --no-index --no-deps --target SITE`, SITE first on PYTHONPATH;
 2. the environment: GPU, driver, CUDA, and the version of every package the project uses;
 3. DeepSpeed's CPU Adam (the offload files use it on GPUs too), built once before the tests;
-4. tests/test_gpu.py (pytest, in parallel over --workers when pytest-xdist is there), with the
+4. tests/journeys/test_gpu.py (pytest, in parallel over --workers when pytest-xdist is there), with the
    measurements the tests record (resume gaps, loss scale, syncs per step, the default job);
 5. the benchmark (`python -m <bench_module> <bench_args>`) in the time left, its tables in the report.
 The report is one markdown file; raw logs stay in --work_dir.
@@ -142,8 +142,8 @@ def plan(args, env: dict) -> dict:
     """The commands of the steps after the install (pytest's plugins may come with the wheels)."""
     xdist = python_has("xdist", env)
     workers = args.workers if args.workers is not None else (6 if xdist else 0)
-    pytest = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider",
-              "--durations=0"]
+    pytest = [sys.executable, "-m", "pytest", "tests/journeys/test_gpu.py", "-m", "gpu", "-v", "-rA", "-p",
+              "no:cacheprovider", "--durations=0"]
     if workers:
         pytest += ["-n", str(workers), "--dist", "loadgroup"]
     if python_has("pytest_timeout", env):

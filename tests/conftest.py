@@ -9,18 +9,25 @@ import csv
 import json
 import os
 import random
+import resource
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import pytest
+from safetensors.torch import load_file
 
 from families import save_family_model
 from forked import run_forked
+from textclf.checkpointing.folders import POSITION
+from textclf.checkpointing.write import SIGNATURE, SIGNED_FORMAT, own_sha256
+from textclf.tasks.task import Task
 
 REPO = Path(__file__).resolve().parents[1]
 # No test may reach a hub: the suite proves the template works offline.
@@ -317,7 +324,7 @@ def aspect_files(tmp_path_factory, corpus_csv) -> dict[str, Path]:
             for name, start, end in (("train", 0, 60), ("eval", 60, 80))}
 
 
-# Three tasks made from the default corpus (tests/test_tasks.py): each has 240 examples to train and 37 to
+# Three tasks made from the default corpus (tests/tasks/test_task.py): each has 240 examples to train and 37 to
 # evaluate, a number that 2 processes with batches of 8 do not divide evenly.
 TASK_TRAIN, TASK_EVAL = 240, 37
 
@@ -549,3 +556,184 @@ def untouched(victim: Path) -> bool:
     """Nothing written into `victim`, nor over what it holds."""
     return sorted(os.listdir(victim)) == ["file", "folder"] and sorted(os.listdir(victim / "folder")) == ["file"] \
         and (victim / "file").read_text() == VICTIM and (victim / "folder" / "file").read_text() == VICTIM
+
+
+def weights(output_dir) -> dict:
+    return load_file(os.path.join(output_dir, "model", "model.safetensors"))
+
+
+def assert_same_run(uninterrupted, resumed, from_step):
+    expected, got = losses(uninterrupted), losses(resumed)
+    later = [step for step in expected if step > from_step]
+    assert later and all(step in got for step in later), f"resumed run logged {sorted(got)}"
+    different = [(step, expected[step], got[step]) for step in later if expected[step] != got[step]]
+    assert not different, f"losses differ after resume (step, uninterrupted, resumed): {different[:5]}"
+    reference, final = weights(uninterrupted), weights(resumed)
+    assert reference.keys() == final.keys()
+    assert all(reference[name].equal(final[name]) for name in reference), "final weights differ"
+
+
+MiB = 2 ** 20
+
+
+def tmpfs_allowed() -> bool:
+    probe = Path(f"/tmp/textclf-tmpfs-probe-{os.getpid()}")
+    probe.mkdir(exist_ok=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                                 capture_output=True).returncode == 0
+        if mounted:
+            subprocess.run(["umount", str(probe)], check=True)
+        return mounted
+    except OSError:
+        return False
+    finally:
+        probe.rmdir()
+
+
+@contextmanager
+def full_disk(folder: Path, free_bytes: int, preload: Optional[Path] = None):
+    """An output_dir where writing `free_bytes` more fails for real, with `preload` (a checkpoint) copied
+    in first: on a tmpfs of just that size where this machine lets root mount one; otherwise an ordinary
+    folder and a limit on the size of each file the command writes (RLIMIT_FSIZE: Python ignores SIGXFSZ,
+    so the write fails with EFBIG). Yields (output_dir, preexec_fn for the command)."""
+    folder.mkdir()
+    out = folder / "out"
+    if tmpfs_allowed():
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={100 * MiB}", "tmpfs", str(folder)], check=True)
+        try:
+            out.mkdir()
+            if preload:
+                shutil.copytree(preload, out / preload.name)
+            (folder / "filler").write_bytes(b"\0" * (shutil.disk_usage(folder).free - free_bytes))
+            yield out, None
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], check=False)
+    else:
+        out.mkdir()
+        if preload:
+            shutil.copytree(preload, out / preload.name)
+        yield out, lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (free_bytes, free_bytes))
+
+
+def code_shipping_folder(tmp_path, position=False):
+    """A model folder whose config names its own Python code (auto_map); importing that code leaves a marker."""
+    import torch
+    from safetensors.torch import save_file
+
+    from textclf.checkpointing.write import complete
+
+    folder = tmp_path / ("step_1" if position else "custom")
+    folder.mkdir()
+    marker = tmp_path / "code-ran"
+    leave_marker = f"open({str(marker)!r}, 'w').close()\n"
+    (folder / "configuration_mine.py").write_text(
+        f"{leave_marker}from transformers import PretrainedConfig\n"
+        "class MineConfig(PretrainedConfig):\n    model_type = 'mine'\n")
+    (folder / "modeling_mine.py").write_text(leave_marker)
+    (folder / "config.json").write_text(json.dumps({"model_type": "mine", "auto_map": {
+        "AutoConfig": "configuration_mine.MineConfig",
+        "AutoModelForSequenceClassification": "modeling_mine.MineForSequenceClassification"}}))
+    save_file({"weight": torch.zeros(2)}, str(folder / "model.safetensors"))
+    if position:
+        complete(str(folder), {"step": 1, "epoch": 0, "batch_in_epoch": 1})  # sealed, as a run seals it
+    return folder, marker
+
+
+@pytest.fixture
+def step_2(tmp_path, four_step_run):
+    return shutil.copytree(four_step_run / "step_2", tmp_path / "step_2")
+
+
+def reseal(folder, edit, signature="kept"):
+    """Edit position.json as one without the secret would: the change made, then its own sha256 made again. The
+    signature is kept as it was, removed, or removed with all that this textclf writes beside it ("stripped": the
+    position of an older textclf)."""
+    position = json.loads((folder / POSITION).read_text())
+    edit(position)
+    dropped = {"kept": (), "removed": (SIGNATURE,), "stripped": (SIGNATURE, *SIGNED_FORMAT)}[signature]
+    position = {key: value for key, value in position.items() if key not in dropped}
+    (folder / POSITION).write_text(json.dumps({**position, "sha256": own_sha256(position)}))
+
+
+def step_moved(position):
+    position["step"] += 1
+    position["batch_in_epoch"] += 1
+
+
+def plant(link: Path, target: Path) -> Path:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+    return link
+
+
+@pytest.fixture
+def accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(True)
+
+
+SINGLE = Task.of("single_label", text_column="review", label_column="label")
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def splits(tmp_path, name, text, task=SINGLE, eval_text=None):
+    from textclf.data.examples import load_splits
+
+    eval_data = write(tmp_path / f"eval_{name}", eval_text) if eval_text else None
+    return load_splits(write(tmp_path / name, text), eval_data, task, 0.25, 0)
+
+
+# Where the check looks for a scratch model's learnt tokenizer unless a test names a --cache_dir: nowhere, as
+# on a machine where nothing ran yet, so that the check reads no data.
+NO_CACHE = ["--cache_dir", "/nonexistent/textclf-cache"]
+
+
+def run_check(capsys, *argv):
+    """(exit status, stdout, stderr) of `python -m textclf.check argv`, run in this process."""
+    from textclf import check
+
+    argv = [str(a) for a in argv]
+    status = check.main(argv if "--cache_dir" in argv else argv + NO_CACHE)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module")
+def help_text():
+    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def pretrained_backbone(tmp_path_factory):
+    """A tiny BERT saved with its pretraining (masked-LM) head, as hub checkpoints are: no classification head."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    from textclf.models.tokenizer import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("backbone")
+    train_tokenizer(["好吃 很好", "太差了 不好", "一般 还行"] * 30, str(folder / "tokenizer"))
+    tokenizer = BertTokenizerFast.from_pretrained(folder / "tokenizer")
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    BertForMaskedLM(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    return str(folder / "model"), tokenizer
+
+
+def wait_for(condition, process, timeout=300, poll=0.002):
+    deadline = time.time() + timeout
+    while not condition():
+        assert process is None or process.poll() is None, "training ended before the moment to stop it"
+        assert time.time() < deadline, "timed out waiting for the moment to stop training"
+        time.sleep(poll)

@@ -40,7 +40,7 @@ def launch_env(config_file, num_processes: int, port: int, launch_args=()) -> di
     args = launch_command_parser().parse_args(["--config_file", str(config_file), "--num_processes", str(num_processes),
                                                "--main_process_port", str(port), *map(str, launch_args), "train.py"])
     # A private function: it is where `accelerate launch` applies the config file's values to its arguments
-    # (tests/test_zoo.py checks the environment it gives against a real launch).
+    # (tests/journeys/test_zoo.py checks the environment it gives against a real launch).
     args, defaults, mixed_precision_from_config = _validate_launch_command(args)
     if args.use_deepspeed:
         fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])

@@ -1,5 +1,5 @@
-"""The pre-launch check (textclf/check.py): every shipped config passes it, each conflict it promises
-to catch is caught with a line naming both places, and its numbers follow the ZeRO paper. No training."""
+"""The pre-launch check (textclf/check.py): every shipped config passes it, each conflict it promises is found, its
+counts are the model train.py builds, and it agrees with the launch's own run.json."""
 
 import json
 import os
@@ -10,39 +10,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY, run_train
+from conftest import NO_CACHE, REPO, TINY, run_check, run_train
 from textclf import check
 from textclf.cli import parse_config
 from textclf.config import DATA_FORMATS
-from textclf.launch.conflicts import cpu_has_native_bf16
-from textclf.launch.estimates import model_state_bytes
 
 ZOO = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
 # Shipped for GPUs; the rest are what the zoo tests run on this CPU machine.
 NEEDS_CUDA = {"single_gpu.yaml", "ddp.yaml", "ddp_bf16.yaml", "ddp_fp16.yaml", "fsdp.yaml"}
+
+
 # Values accelerate fills from the training config and the launch: a number here would be a second source of truth.
 FILLED_BY_ACCELERATE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                         "gradient_clipping")
 
 
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    """Paths in the zoo are relative to the repository root, where launches start."""
-    monkeypatch.chdir(REPO)
 
 
-# Where the check looks for a scratch model's learnt tokenizer unless a test names a --cache_dir: nowhere, as
-# on a machine where nothing ran yet, so that the check reads no data.
-NO_CACHE = ["--cache_dir", "/nonexistent/textclf-cache"]
-
-
-def run_check(capsys, *argv):
-    """(exit status, stdout, stderr) of `python -m textclf.check argv`, run in this process."""
-    argv = [str(a) for a in argv]
-    status = check.main(argv if "--cache_dir" in argv else argv + NO_CACHE)
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def report(out: str) -> dict:
@@ -74,6 +63,50 @@ def write_deepspeed_variant(tmp_path, name: str, edit) -> Path:
     ds_path.write_text(json.dumps(ds))
     return write_yaml(tmp_path / f"{name}_variant.yaml", f"{name}.yaml",
                       deepspeed_config={"deepspeed_config_file": str(ds_path), "zero3_init_flag": False})
+
+
+@pytest.fixture(scope="module")
+def learnt_job(reviews_csv, tmp_path_factory):
+    """What train.py builds for scratch-tiny with LoRA on the reviews (it learns and caches their tokenizer)."""
+    from textclf.models.job import build_job
+
+    cache = tmp_path_factory.mktemp("tokenizer_cache")
+    args = ["--model", "scratch-tiny", "--data", str(reviews_csv), "--cache_dir", str(cache), "--max_length", "32"]
+    return args, build_job(parse_config([*args, "--lora"]))
+
+
+@pytest.fixture(scope="module")
+def accelerate_home(tmp_path_factory):
+    """An HF_HOME whose default accelerate config is what `accelerate config default` writes on this machine."""
+    home = tmp_path_factory.mktemp("hf_home")
+    subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default"],
+                   env={**os.environ, "HF_HOME": str(home)}, check=True, capture_output=True, timeout=300)
+    assert (home / "accelerate" / "default_config.yaml").is_file()
+    return home
+
+
+def peak_line(out: str) -> tuple[float, str]:
+    lines = out.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.startswith("peak per rank"))
+    return float(lines[index].split()[3]), lines[index + 1]
+
+
+def made_checkpoint(folder, world_size=1, zero_stage=None, step_number=6, **made_with):
+    """A step_<step_number>/ folder in `folder` with the (sealed) position.json of a run of scratch-tiny on
+    `world_size` processes."""
+    import dataclasses
+
+    from textclf.checkpointing.write import sealed
+    from textclf.config import TrainConfig
+
+    made_with = {"model": "scratch-tiny", **made_with}
+    step = folder / f"step_{step_number}"
+    step.mkdir(parents=True)
+    global_batch = made_with["per_device_train_batch_size"] * made_with["gradient_accumulation_steps"] * world_size
+    step.joinpath("position.json").write_text(json.dumps(sealed({
+        "step": step_number, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": zero_stage,
+        "mixed_precision": "no", **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}})))
+    return step
 
 
 def test_the_zoo_is_complete():
@@ -144,22 +177,6 @@ def test_multi_node_counts_processes_over_all_machines(capsys):
     assert report(out)["processes"] == "32 processes on 4 machines, 8 per machine"
 
 
-def test_memory_estimate_follows_the_zero_paper():
-    params = 1_000_000
-    # DDP in fp32: 4 + 4 + 8 bytes per parameter, nothing sharded.
-    assert model_state_bytes(params, params, world=8, stage=0, sixteen_bit=False) == {
-        "weights": 4e6, "gradients": 4e6, "optimizer states": 8e6}
-    # 16-bit weights: 2 + 2 + 12; stage 1 shards the optimizer, 2 also gradients, 3 also weights.
-    assert model_state_bytes(params, params, world=4, stage=1, sixteen_bit=True) == {
-        "weights": 2e6, "gradients": 2e6, "optimizer states": 3e6}
-    assert model_state_bytes(params, params, world=4, stage=2, sixteen_bit=True) == {
-        "weights": 2e6, "gradients": 0.5e6, "optimizer states": 3e6}
-    assert model_state_bytes(params, params, world=4, stage=3, sixteen_bit=True) == {
-        "weights": 0.5e6, "gradients": 0.5e6, "optimizer states": 3e6}
-    # Frozen parameters (LoRA) have neither gradients nor optimizer states.
-    assert model_state_bytes(params, 1000, world=1, stage=0, sixteen_bit=False)["optimizer states"] == 8000
-
-
 def test_before_any_run_a_scratch_model_s_count_is_an_upper_bound_at_the_vocabulary_cap():
     cfg = parse_config(["--model", "scratch-tiny", *NO_CACHE])
     total, trainable = check.count_parameters(cfg)
@@ -170,16 +187,6 @@ def test_before_any_run_a_scratch_model_s_count_is_an_upper_bound_at_the_vocabul
     head = (128 * 128 + 128) + (128 * 2 + 2)
     assert total == embeddings + 2 * layer + head
     assert "an upper bound: the vocabulary at its cap of 8,000 tokens" in check.planned_model(cfg)[1]
-
-
-@pytest.fixture(scope="module")
-def learnt_job(reviews_csv, tmp_path_factory):
-    """What train.py builds for scratch-tiny with LoRA on the reviews (it learns and caches their tokenizer)."""
-    from textclf.models.job import build_job
-
-    cache = tmp_path_factory.mktemp("tokenizer_cache")
-    args = ["--model", "scratch-tiny", "--data", str(reviews_csv), "--cache_dir", str(cache), "--max_length", "32"]
-    return args, build_job(parse_config([*args, "--lora"]))
 
 
 def test_after_a_run_the_count_is_the_trained_model_s_with_its_learnt_vocabulary(capsys, learnt_job):
@@ -246,8 +253,6 @@ def test_an_fsdp_yaml_naming_a_class_the_model_does_not_have_is_a_conflict(capsy
     assert status == 0, err
     assert report(out)["fsdp wraps"] == f"BertLayer (named in {variant})"
 
-
-# --- conflicts: each variant below is one mistake, and the check names both places ---
 
 def test_precision_in_the_yaml_next_to_a_deepspeed_json_is_refused(capsys, tmp_path):
     variant = write_yaml(tmp_path / "zero2_mp.yaml", "zero2.yaml", mixed_precision="bf16")
@@ -329,7 +334,7 @@ def test_torch_compile_in_a_yaml_passes_the_check(capsys, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(NEEDS_CUDA))
 def test_each_gpu_file_of_the_zoo_is_one_conflict_for_a_machine_without_cuda(capsys, name):
-    """What train.py refuses (tests/test_launch_trust.py), by the same rule: the GPUs the yaml names, with whatever
+    """What train.py refuses (tests/launch/test_checks.py), by the same rule: the GPUs the yaml names, with whatever
     else of it needs CUDA, in one line that sends the launch to the CPU files."""
     from textclf.launch.checks import cuda_only
 
@@ -419,35 +424,6 @@ def test_yaml_mistakes_that_silently_start_something_else(capsys, tmp_path, chan
     assert str(variant) in line and message in line
 
 
-@pytest.mark.parametrize("text, message", [
-    ("distributed_type: [MULTI_GPU\n", "while parsing a flow sequence"),
-    ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "had unknown keys (['num_procesess'])"),
-    ("distributed_type: MULTI_PGU\n", "'MULTI_PGU' is not a valid DistributedType"),
-    ("- MULTI_GPU\n", "'list' object has no attribute 'get'"),
-])
-def test_an_unreadable_accelerate_config_is_one_line(capsys, tmp_path, text, message):
-    (tmp_path / "bad.yaml").write_text(text)
-    status, _, err = run_check(capsys, "--config_file", str(tmp_path / "bad.yaml"), "--target", "cpu")
-    assert status == 2 and [line for line in err.splitlines() if line.startswith("error:")] == [
-        line for line in err.splitlines() if line.startswith(f"error: cannot read {tmp_path / 'bad.yaml'}: ")]
-    assert message in err and "Traceback" not in err
-
-
-def test_bf16_warns_on_a_cpu_without_native_bf16(capsys, monkeypatch, tmp_path):
-    with_bf16, without_bf16 = tmp_path / "with", tmp_path / "without"
-    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
-    without_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-    assert cpu_has_native_bf16(str(with_bf16)) and not cpu_has_native_bf16(str(without_bf16))
-
-    monkeypatch.setattr("textclf.launch.conflicts.cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
-    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--target", "cpu",
-                               "--mixed_precision", "bf16")
-    assert status == 0
-    assert "warning: precision: the launch line (--mixed_precision) is bf16, but this CPU has no native bf16" in err
-    status, _, err = run_check(capsys, "--config_file", "accelerate_configs/ddp_bf16.yaml", "--target", "cuda")
-    assert status == 0 and "warning" not in err
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--config_file", "accelerate_configs/nope.yaml"], "accelerate config not found: accelerate_configs/nope.yaml"),
     (["--config_file", "accelerate_configs/cpu.yaml", "--learning_rat", "1"], "unknown config key(s) --learning_rat"),
@@ -457,14 +433,6 @@ def test_unreadable_input_is_one_error_line_and_exit_2(capsys, argv, message):
     status, out, err = run_check(capsys, *argv)
     assert status == 2 and out == ""
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
-
-
-def test_an_unquoted_no_in_the_yaml_is_named(capsys, tmp_path):
-    variant = tmp_path / "single.yaml"
-    variant.write_text((REPO / "accelerate_configs" / "single_gpu.yaml").read_text()
-                       .replace('distributed_type: "NO"', "distributed_type: NO"))
-    status, _, err = run_check(capsys, "--config_file", variant, "--target", "cuda")
-    assert status == 2 and "a bare NO is YAML for false" in err
 
 
 def test_the_command_line_entry_point(tmp_path):
@@ -496,18 +464,6 @@ def test_without_any_accelerate_config_the_check_says_one_process_as_the_launch_
     assert shown["processes"] == "1 process on 1 machine"
 
 
-# --- the check against what `accelerate launch` really runs ---
-
-@pytest.fixture(scope="module")
-def accelerate_home(tmp_path_factory):
-    """An HF_HOME whose default accelerate config is what `accelerate config default` writes on this machine."""
-    home = tmp_path_factory.mktemp("hf_home")
-    subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default"],
-                   env={**os.environ, "HF_HOME": str(home)}, check=True, capture_output=True, timeout=300)
-    assert (home / "accelerate" / "default_config.yaml").is_file()
-    return home
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
@@ -533,27 +489,6 @@ def test_the_check_agrees_with_the_launch_s_own_run_json_for_the_default_config(
     assert report(default.stdout)["accelerate config"] == str(config)
 
 
-def test_the_peak_per_rank_adds_what_each_framework_holds_beyond_the_model_states():
-    from textclf.launch.estimates import framework_buffer_bytes
-
-    params = 1_000_000
-    ddp = framework_buffer_bytes(params, params, world=2, stage=0, layout="fp32", strategy="ddp")
-    assert ddp == {"DDP gradient buckets": 4e6}
-    zero2 = framework_buffer_bytes(params, params, world=2, stage=2, layout="fp32", strategy="deepspeed")
-    assert zero2 == {"fp32 copy of the weight partition": 2e6, "fp32 gradient of the partition": 2e6}
-    # ZeRO-3 keeps gathered weights up to stage3_max_live_parameters; 16-bit training has its fp32 copy in the states.
-    zero3 = framework_buffer_bytes(params, params, world=2, stage=3, layout="16-bit", strategy="deepspeed",
-                                   live_parameters=400_000)
-    assert zero3 == {"fp32 gradient of the partition": 2e6, "gathered weights": 0.8e6}
-    assert framework_buffer_bytes(params, params, world=1, stage=0, layout="fp32", strategy="NO") == {}
-
-
-def peak_line(out: str) -> tuple[float, str]:
-    lines = out.splitlines()
-    index = next(i for i, line in enumerate(lines) if line.startswith("peak per rank"))
-    return float(lines[index].split()[3]), lines[index + 1]
-
-
 def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
     status, out, _ = run_check(capsys, "--config_file", "accelerate_configs/zero3_offload.yaml", "--target", "cpu",
                                "--model", "scratch-base")
@@ -576,24 +511,6 @@ def test_the_peak_per_rank_follows_the_launch(capsys, tmp_path):
     checkpointed, parts = peak_line(run_check(capsys, "--config_file", "accelerate_configs/cpu.yaml", "--model",
                                               "scratch-base", "--gradient_checkpointing")[1])
     assert checkpointed < plain and "checkpointed" in parts and "DDP gradient buckets" in parts
-
-
-def made_checkpoint(folder, world_size=1, zero_stage=None, step_number=6, **made_with):
-    """A step_<step_number>/ folder in `folder` with the (sealed) position.json of a run of scratch-tiny on
-    `world_size` processes."""
-    import dataclasses
-
-    from textclf.checkpointing.write import sealed
-    from textclf.config import TrainConfig
-
-    made_with = {"model": "scratch-tiny", **made_with}
-    step = folder / f"step_{step_number}"
-    step.mkdir(parents=True)
-    global_batch = made_with["per_device_train_batch_size"] * made_with["gradient_accumulation_steps"] * world_size
-    step.joinpath("position.json").write_text(json.dumps(sealed({
-        "step": step_number, "world_size": world_size, "global_batch_size": global_batch, "zero_stage": zero_stage,
-        "mixed_precision": "no", **made_with, "config": {**dataclasses.asdict(TrainConfig()), **made_with}})))
-    return step
 
 
 def test_a_resume_shows_the_accumulation_that_keeps_the_checkpoint_s_global_batch(capsys, tmp_path):
@@ -676,4 +593,3 @@ def test_a_resume_s_refusals_are_all_conflicts_of_one_check(capsys, tmp_path):
     status, out, err = run_check(capsys, *zero2, "--overwrite_output_dir")
     assert status == 0, err
     assert report(out)["resume"] == f"{step_10}: the launch that made it, micro-batch 8 and gradient accumulation 1"
-

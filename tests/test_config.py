@@ -1,136 +1,13 @@
-"""The typed config: defaults < checkpoint < YAML recipe < command line, every bad value refused, --help."""
+"""The one training config (textclf/config.py): every field documented, the rules its values follow."""
 
 import dataclasses
-import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
 from textclf.cli import parse_config
 from textclf.config import field_helps, field_names
 from textclf.errors import InputError
 
-
-def test_command_line_overrides_recipe_which_overrides_defaults(tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("learning_rate: 0.002\nmax_steps: 50\nlora_target_modules: [query, key]\n")
-    cfg = parse_config(["--config", str(recipe), "--max_steps", "7"])
-    assert cfg.learning_rate == 0.002  # from the recipe
-    assert cfg.max_steps == 7  # the command line wins
-    assert cfg.lora_target_modules == ["query", "key"]
-    assert cfg.per_device_train_batch_size == 32  # the default
-
-
-def test_a_key_given_twice_in_a_recipe_is_refused_not_the_last_taken(tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("learning_rate: 0.002\nmax_steps: 50\nlearning_rate: 0.5\n")
-    with pytest.raises(InputError) as refused:
-        parse_config(["--config", str(recipe)])
-    assert str(refused.value) == (f"cannot read config recipe {recipe}: learning_rate is given twice (first on line 1) "
-                                  "(line 3, column 1); a recipe is plain YAML of key: value")
-
-
-def test_booleans_parse_both_ways():
-    assert parse_config(["--no_group_by_length"]).group_by_length is False
-    assert parse_config(["--lora", "true"]).lora is True
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--learning_rat", "1e-3"], "unknown config key(s) --learning_rat"),
-    (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be a positive integer, got 0"),
-    (["--per_device_train_batch_size", "-4"], "per_device_train_batch_size must be a positive integer, got -4"),
-    (["--max_steps", "ten"], "invalid int value: 'ten'"),
-    (["--warmup_ratio", "1.5"], "warmup_ratio must be in [0, 1)"),
-    # AdamW's settings, refused when parsed rather than in a traceback after the data stage or as NaN weights
-    (["--learning_rate", "inf"], "learning_rate must be a positive number, got inf"),
-    (["--learning_rate", "nan"], "learning_rate must be a positive number, got nan"),
-    (["--learning_rate", "0"], "learning_rate must be a positive number, got 0.0"),
-    (["--num_train_epochs", "inf"], "num_train_epochs must be a positive number, got inf"),
-    (["--adam_beta1", "1.5"], "adam_beta1 must be in [0, 1), got 1.5"),
-    (["--adam_beta2", "1"], "adam_beta2 must be in [0, 1), got 1.0"),
-    (["--adam_epsilon", "0"], "adam_epsilon must be a positive number, got 0.0"),
-    (["--weight_decay", "nan"], "weight_decay must be 0 or more, got nan"),
-    (["--max_grad_norm", "inf"], "max_grad_norm must be 0 (no clipping) or more, got inf"),
-    # the Trainer's options that cannot work together
-    (["--load_best_model_at_end", "--eval_steps", "10", "--save_steps", "20"],
-     "load_best_model_at_end needs a checkpoint at every evaluation: set --save_strategy and --save_steps as "
-     "--eval_strategy and --eval_steps (now evaluating every 10 steps, saving every 20 steps)"),
-    (["--load_best_model_at_end", "--eval_strategy", "epoch"], "(now evaluating every epoch, saving every 500 steps)"),
-    (["--load_best_model_at_end"], "(now evaluating never, saving every 500 steps)"),
-    (["--early_stopping_patience", "3", "--eval_steps", "10"],
-     "early_stopping_patience needs --load_best_model_at_end"),
-    (["--eval_strategy", "sometimes"], "invalid choice: 'sometimes'"),
-    (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
-    (["--warmup_steps", "-1"], "warmup_steps must be 0 or more, got -1"),
-    (["--delimiter", "ab"], "delimiter must be one character, got 'ab'"),
-])
-def test_bad_values_are_refused_with_the_reason(argv, message):
-    with pytest.raises(InputError) as error:
-        parse_config(argv)
-    assert message in str(error.value)
-
-
-def test_unknown_key_in_recipe_names_the_key_and_file(tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("learning_rate: 0.001\nbatch_size: 8\n")
-    with pytest.raises(InputError, match=r"unknown config key\(s\) batch_size in .*recipe.yaml"):
-        parse_config(["--config", str(recipe)])
-
-
-def test_wrong_type_in_recipe_is_refused(tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("max_steps: many\n")
-    with pytest.raises(InputError, match="invalid int value: 'many'"):
-        parse_config(["--config", str(recipe)])
-
-
-# --- the Trainer's names, and what a Trainer user types ---
-
-def test_trainer_names_parse_with_the_trainer_s_defaults():
-    cfg = parse_config(["--warmup_steps", "5", "--eval_steps", "10", "--dataloader_num_workers", "2",
-                        "--mixed_precision", "bf16"])
-    assert (cfg.warmup_steps, cfg.dataloader_num_workers, cfg.mixed_precision) == (5, 2, "bf16")
-    assert cfg.eval_strategy == "steps"  # eval_steps alone asks for evaluation every eval_steps
-    assert parse_config([]).eval_strategy == "no" and parse_config([]).save_strategy == "steps"
-    # eval_strategy steps without eval_steps falls back to logging_steps, as in TrainingArguments
-    assert parse_config(["--eval_strategy", "steps", "--logging_steps", "7"]).eval_steps == 7
-    best = parse_config(["--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end",
-                         "--early_stopping_patience", "2"])
-    assert best.load_best_model_at_end and best.early_stopping_patience == 2
-
-
-def test_a_tab_delimiter_may_be_typed_as_backslash_t():
-    assert parse_config(["--delimiter", "\\t"]).delimiter == "\t"
-    assert parse_config(["--delimiter", "，"]).delimiter == "，"
-
-
-@pytest.mark.parametrize("argv, suggestion", [
-    (["--lr", "3e-5"], "--lr (did you mean --learning_rate?)"),
-    (["--epochs", "2"], "--epochs (did you mean --num_train_epochs?)"),
-    (["--batch_size", "8"], "--batch_size (did you mean --per_device_train_batch_size?)"),
-    (["--bf16"], "--bf16 (did you mean --mixed_precision bf16?)"),
-    (["--evaluation_strategy", "steps"], "did you mean --eval_strategy?"),
-    (["--model_name_or_path", "x"], "did you mean --model?"),
-    (["--learning-rat", "1"], "did you mean --learning_rate?"),
-    (["--gradient_acumulation_steps", "2"], "did you mean --gradient_accumulation_steps?"),
-])
-def test_unknown_flags_suggest_the_closest_known_name(argv, suggestion):
-    with pytest.raises(InputError) as error:
-        parse_config(argv)
-    assert str(error.value).startswith("unknown config key(s) ") and suggestion in str(error.value)
-
-
-def test_an_unknown_recipe_key_gets_a_suggestion_too(tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("lr: 0.001\n")
-    with pytest.raises(InputError,
-                       match=r"unknown config key\(s\) lr in .*recipe.yaml \(did you mean learning_rate\?\)"):
-        parse_config(["--config", str(recipe)])
-
-
-# --- --help, and every flag the documentation names ---
 
 def test_every_field_is_documented_by_the_docstring_under_it():
     from textclf.tasks.task import KINDS
@@ -155,77 +32,45 @@ def test_a_field_without_a_help_string_stops_no_run():
     assert field_helps(Fork) == {"documented": "Its help.", "undocumented": ""}
 
 
-@pytest.fixture(scope="module")
-def help_text():
-    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+def test_the_learning_rate_follows_the_model_kind_unless_given():
+    assert parse_config([]).learning_rate == 1e-3
+    assert parse_config(["--lora"]).learning_rate == 1e-3  # LoRA of a scratch model: still a scratch model
+    assert parse_config(["--model", "bert-base-chinese"]).learning_rate == 2e-5
+    assert parse_config(["--model", "Qwen/Qwen2.5-0.5B", "--lora"]).learning_rate == 2e-4
+    assert parse_config(["--model", "bert-base-chinese", "--learning_rate", "3e-5"]).learning_rate == 3e-5
 
 
-def test_help_groups_the_options_and_lists_the_recipe(help_text):
-    sections = [line[:-1] for line in help_text.splitlines()
-                if line and not line.startswith(" ") and line.endswith(":")]
-    assert sections == ["options", "model", "data", "task", "optimisation", "LoRA", "evaluation and checkpoints",
-                        "logging"]
-    assert "--config RECIPE.yaml" in help_text
-    assert "  -h, --help            show this help message and exit" in help_text.splitlines()
-    assert "  --no_group_by_length  The same as --group_by_length false." in help_text.splitlines()
-    section_of = {}
-    for line in help_text.splitlines():
-        if line and not line.startswith(" "):
-            current = line[:-1]
-        elif line.startswith("  --"):
-            section_of[line.split()[0]] = current
-    assert section_of["--encoding"] == "data" and section_of["--warmup_steps"] == "optimisation"
-    assert section_of["--lora_r"] == "LoRA" and section_of["--early_stopping_patience"] == "evaluation and checkpoints"
-    assert section_of["--report_to"] == "logging"
-    assert set(section_of) >= {f"--{name}" for name in field_names()}
+def test_the_sample_size_is_checked_and_recorded_in_the_config():
+    with pytest.raises(InputError, match=r"tokenizer_sample must be 0 \(every example\) or more, got -1"):
+        parse_config(["--tokenizer_sample", "-1"])
+    assert parse_config([]).to_dict()["tokenizer_sample"] == 100_000
 
 
-def test_resume_given_twice_is_one_line_not_the_last_one_silently():
-    with pytest.raises(InputError, match=r"^--resume is given 2 times \(out/step_2, latest\); give it once$"):
-        parse_config(["--resume", "out/step_2", "--max_steps", "9", "--resume=latest"])
-    assert parse_config(["--resume", "latest"]).resume == "latest"
+def test_the_best_checkpoints_metric_is_one_of_the_tasks_scores():
+    from textclf.cli import parse_config
+    from textclf.errors import InputError
+
+    assert parse_config([]).metric_for_best_model == "eval_f1"
+    assert parse_config(["--task", "regression"]).metric_for_best_model == "eval_mse"
+    assert parse_config(["--task", "multi_label"]).metric_for_best_model == "eval_micro_f1"
+    assert parse_config(["--metric_for_best_model", "accuracy"]).metric_for_best_model == "eval_accuracy"
+    with pytest.raises(InputError, match="eval_f1 is not a score of task regression"):
+        parse_config(["--task", "regression", "--metric_for_best_model", "eval_f1"])
 
 
-def test_an_output_dir_that_is_a_file_says_so_before_torch(tmp_path):
-    (tmp_path / "run").write_text("")
-    result = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--output_dir", str(tmp_path / "run")],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and said == [f"error: --output_dir {tmp_path / 'run'} is a file, not a folder; "
-                                               "choose another --output_dir (or move that file away)"], said
-    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
-    assert "torch" not in imported
-
-
-def test_liger_without_cuda_is_refused_before_the_data(tmp_path, reviews_csv):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: Liger's kernels may run here")
-    result = subprocess.run([sys.executable, "train.py", "--use_liger_kernel", "--data", str(reviews_csv),
-                             "--output_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
-    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and said == ["error: --use_liger_kernel needs a CUDA GPU (Triton kernels), and this "
-                                               "machine has none; leave it out (auto turns it on where it can run)"]
-    assert "data:" not in result.stdout and not (tmp_path / "out").exists()
-
-
-def test_a_fresh_run_into_another_run_s_folder_suggests_another_folder(tmp_path):
-    from textclf.checkpointing.folders import find_checkpoint
+def test_the_same_column_for_text_and_label_is_refused_by_the_config():
     from textclf.config import TrainConfig
 
-    step = tmp_path / "run" / "step_4"
-    step.mkdir(parents=True)
-    (step / "position.json").write_text(json.dumps({"step": 4, "config": TrainConfig().to_dict()}))
-    with pytest.raises(InputError, match=r"already holds checkpoints \(newest .*step_4\); pass --resume latest"):
-        find_checkpoint(TrainConfig(output_dir=str(tmp_path / "run")))
-    with pytest.raises(InputError, match=r"already holds checkpoints of another run \(newest .*step_4, made with "
-                                         r"learning_rate = 0.001, this run has 0.1\); choose another --output_dir"):
-        find_checkpoint(TrainConfig(output_dir=str(tmp_path / "run"), learning_rate=0.1))
-    # What may change on a resume is no other run.
-    with pytest.raises(InputError, match="pass --resume latest"):
-        find_checkpoint(TrainConfig(output_dir=str(tmp_path / "run"), max_steps=99, logging_steps=7))
+    with pytest.raises(InputError, match="column 'review' is both the text and the label column"):
+        TrainConfig(text_column="review", label_column="review")
+
+
+def test_report_to_takes_a_list_all_or_none_as_the_trainer_does():
+    from textclf.cli import parse_config
+    from textclf.config import TrainConfig
+
+    assert parse_config([]).report_to == ["tensorboard"]
+    assert parse_config(["--report_to", "wandb", "tensorboard"]).report_to == ["wandb", "tensorboard"]
+    assert TrainConfig(report_to="none").report_to == ["none"]  # a checkpoint's config from before lists
+    with pytest.raises(InputError, match="'none' and 'all' stand alone"):
+        parse_config(["--report_to", "none", "tensorboard"])

@@ -1,5 +1,5 @@
-"""The documentation against the code: every train.py flag that the README and docs/*.md name exists, and what
-the README's examples write is ignored by git. Pages added to docs/ later are covered too."""
+"""The documentation as written: every flag, test and path it names exists, and its commands that need no training
+run."""
 
 import os
 import re
@@ -27,33 +27,6 @@ def documented_train_flags() -> dict[str, set[str]]:
                         for flag in re.findall(r"(?<!\S)--[A-Za-z][\w-]*", tail)} for page in PAGES}
 
 
-def test_every_flag_the_documentation_gives_train_py_exists():
-    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    documented = documented_train_flags()
-    assert set().union(*documented.values()) >= {"--resume", "--model", "--lora", "--per_device_train_batch_size"}
-    known = set(re.findall(r"(?<!\S)--[A-Za-z][\w-]*", result.stdout))
-    missing = {page: sorted(flags - known) for page, flags in documented.items() if flags - known}
-    assert not missing, f"flags in the documentation that train.py does not have: {missing}"
-
-
-def test_every_test_the_documentation_names_exists():
-    """docs/faults.md and docs/gpu.md say which test covers what: a renamed test must not leave them stale.
-    A name ending in * or ... stands for every test it begins."""
-    files = sorted((REPO / "tests").glob("test_*.py"))
-    defined = {path.stem for path in files} | {name for path in files for name in re.findall(
-        r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M)}
-    named = {page.name: re.findall(r"(?<![\w-])(test_\w+?)(\*|\.\.\.)?(?![\w*])", page_text(page)) for page in PAGES}
-    assert len(named["faults.md"]) > 20 and len(named["gpu.md"]) > 20
-    # A test whose code the page shows (docs/tasks.md's worked example, which test_tasks.py runs) is defined there.
-    shown = {page.name: set(re.findall(r"^def (test_\w+)", page.read_text(encoding="utf-8"), re.M)) for page in PAGES}
-    unknown = {page: sorted(name + (wildcard or "") for name, wildcard in names if not (
-        any(d.startswith(name) for d in defined) if wildcard else name in defined | shown[page]))
-        for page, names in named.items()}
-    assert not any(unknown.values()), f"tests named in the documentation that tests/ does not define: {unknown}"
-
-
 def documented_outputs() -> set[str]:
     """What the examples write: export's target folder, predict's --output, report's --output_dir."""
     found = set()
@@ -62,17 +35,6 @@ def documented_outputs() -> set[str]:
         found |= set(re.findall(r"python -m textclf\.export\s+\S+\s+([^\s`]+)", text))
         found |= set(re.findall(r"-m textclf\.(?:predict|report)\b[^\n`]*?--output(?:_dir)?\s+([^\s`]+)", text))
     return found
-
-
-def test_what_the_readme_s_examples_write_is_ignored_by_git():
-    outputs = documented_outputs()
-    assert outputs >= {"exported/", "merged/", "out.jsonl", "out.csv", "report/"}
-    tracked = [path for path in sorted(outputs) if not path.startswith("checkpoints/") and subprocess.run(
-        ["git", "check-ignore", "-q", "--no-index", path + ("example" if path.endswith("/") else "")],
-        cwd=REPO).returncode != 0]
-    assert not tracked, f"outputs of documented commands that git would show as untracked: {tracked}"
-
-
 
 
 def documented_commands() -> list[tuple[str, str, list[str]]]:
@@ -101,9 +63,9 @@ NOT_RUN = {
     r"\bsbatch\b": "needs SLURM",
     r"scripts/gpu_": "needs a GPU machine (docs/gpu.md)",
     r"--model (?![./]|checkpoints/)[\w.-]+/|--model bert-base-chinese": "a hub model: needs the network",
-    r"\btrain\.py\b": "trains: test_train.py, test_zoo.py and test_families.py run train.py so",
+    r"\btrain\.py\b": "trains: journeys/test_train.py, journeys/test_zoo.py and models/test_pretrained.py run it so",
     r"textclf\.(export|predict|report)\b": "needs a trained model: test_export.py, test_predict.py, test_report.py",
-    r"-m benchmarks": "takes minutes: test_bench.py runs it --quick",
+    r"-m benchmarks": "takes minutes: journeys/test_bench.py runs it --quick",
     r"^accelerate config\s*(#|$)": "asks its questions on a terminal",
 }
 
@@ -122,6 +84,47 @@ def missing_lines(shown: list[str], printed: str) -> list[str]:
         if not any(wanted(got) for got in printed_lines):
             missing.append(line)
     return missing
+
+
+def test_every_flag_the_documentation_gives_train_py_exists():
+    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    documented = documented_train_flags()
+    assert set().union(*documented.values()) >= {"--resume", "--model", "--lora", "--per_device_train_batch_size"}
+    known = set(re.findall(r"(?<!\S)--[A-Za-z][\w-]*", result.stdout))
+    missing = {page: sorted(flags - known) for page, flags in documented.items() if flags - known}
+    assert not missing, f"flags in the documentation that train.py does not have: {missing}"
+
+
+def test_every_test_the_documentation_names_exists():
+    """docs/faults.md and docs/gpu.md say which test covers what: a renamed test must not leave them stale.
+    A name ending in * or ... stands for every test it begins."""
+    files = sorted((REPO / "tests").rglob("test_*.py"))
+    where = {name: path.relative_to(REPO / "tests").as_posix() for path in files
+             for name in re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M)}
+    defined = {path.stem for path in files} | set(where)
+    # A test named with its file (`checkpointing/test_load.py::test_...`) is in that file.
+    misplaced = sorted({f"{file}::{name} (in {where[name]})" for page in PAGES for file, name in re.findall(
+        r"([\w/]*test_\w+\.py)::(test_\w+)", page_text(page)) if name in where and not where[name].endswith(file)})
+    assert not misplaced, f"tests the documentation names in another file than theirs: {misplaced}"
+    named = {page.name: re.findall(r"(?<![\w-])(test_\w+?)(\*|\.\.\.)?(?![\w*])", page_text(page)) for page in PAGES}
+    assert len(named["faults.md"]) > 20 and len(named["gpu.md"]) > 20
+    # A test whose code the page shows (docs/tasks.md's worked example, which tasks/test_task.py runs) is defined there.
+    shown = {page.name: set(re.findall(r"^def (test_\w+)", page.read_text(encoding="utf-8"), re.M)) for page in PAGES}
+    unknown = {page: sorted(name + (wildcard or "") for name, wildcard in names if not (
+        any(d.startswith(name) for d in defined) if wildcard else name in defined | shown[page]))
+        for page, names in named.items()}
+    assert not any(unknown.values()), f"tests named in the documentation that tests/ does not define: {unknown}"
+
+
+def test_what_the_readme_s_examples_write_is_ignored_by_git():
+    outputs = documented_outputs()
+    assert outputs >= {"exported/", "merged/", "out.jsonl", "out.csv", "report/"}
+    tracked = [path for path in sorted(outputs) if not path.startswith("checkpoints/") and subprocess.run(
+        ["git", "check-ignore", "-q", "--no-index", path + ("example" if path.endswith("/") else "")],
+        cwd=REPO).returncode != 0]
+    assert not tracked, f"outputs of documented commands that git would show as untracked: {tracked}"
 
 
 @pytest.mark.slow
@@ -150,3 +153,14 @@ def test_the_documented_commands_that_need_no_training_run_as_written(tmp_path):
         ran.append(command)
     assert any("accelerate config default" in command for command in ran)
     assert sum("textclf.check" in command for command in ran) >= 4, ran
+
+
+def test_every_path_the_documentation_names_exists():
+    """A file or folder of the project's named in README.md, docs/ or data/README.md is there: a module or test
+    moved must not leave a page pointing at nothing. Paths the reader makes (a kind of their own) are written
+    without their folder."""
+    pages = [*PAGES, REPO / "data" / "README.md"]
+    named = {page.name: set(re.findall(r"(?<![\w./-])((?:textclf|tests|scripts|benchmarks)/[\w/.-]*\w)",
+                                        page.read_text(encoding="utf-8"))) for page in pages}
+    missing = {page: sorted(path for path in paths if not (REPO / path).exists()) for page, paths in named.items()}
+    assert not any(missing.values()), f"paths the documentation names that the project does not have: {missing}"

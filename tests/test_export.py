@@ -1,9 +1,4 @@
-"""Export: from a step_<N> checkpoint written by DDP, ZeRO-2 or ZeRO-3, the weights the run held at that step.
-
-Each strategy trains 2 optimizer steps on 2 processes with a checkpoint at every step. The run's own
-export at its end (`accelerator.get_state_dict`) and the export of its last checkpoint (safetensors,
-or DeepSpeed's shards consolidated) are two independent roads to the weights at step 2: they must meet.
-"""
+"""python -m textclf.export (textclf/export.py): a checkpoint of any strategy exported as a verified model folder."""
 
 import json
 import os
@@ -12,16 +7,32 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, pipeline
+from transformers import (
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    pipeline,
+)
 
-from conftest import REPO, TINY, another_user, assert_refused, refusal, run_module, train_forked
+from conftest import (
+    REPO,
+    TINY,
+    another_user,
+    assert_refused,
+    refusal,
+    run_module,
+    train_forked,
+)
+from textclf.checkpointing.write import complete
+from textclf.errors import InputError
+from textclf.export import export_checkpoint
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, reviews_csv, cache_dir):
-    """`trained_run(strategy)`: the output_dir of a 2-process run (forked: tests/test_zoo.py launches each zoo
+    """`trained_run(strategy)`: the output_dir of a 2-process run (forked: tests/journeys/test_zoo.py launches each zoo
     file for real), trained once per strategy and module."""
     runs = {}
 
@@ -45,6 +56,96 @@ def export(source, target, *extra):
 
 def assert_no_empty_tensor(weights: dict):
     assert all(tensor.numel() > 0 for tensor in weights.values())
+
+
+def _save_fsdp_sharded(weights, checkpoint):
+    """What accelerate's save_state writes under FSDP with SHARDED_STATE_DICT (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": weights}, storage_writer=dcp.FileSystemWriter(checkpoint / "pytorch_model_fsdp_0"))
+
+
+def _save_fsdp_full(weights, checkpoint):
+    """What it writes with FULL_STATE_DICT."""
+    torch.save(weights, checkpoint / "pytorch_model_fsdp.bin")
+
+
+def _without(name):
+    def make(model, tmp_path):
+        folder = tmp_path / "model"
+        shutil.copytree(model, folder)
+        os.remove(folder / name)
+        return folder
+    return make
+
+
+def _step_folder_without_position(model, tmp_path):
+    (tmp_path / "step_3").mkdir()
+    return tmp_path / "step_3"
+
+
+def _checkpoint_without_weights(model, tmp_path):
+
+    folder = tmp_path / "step_4"
+    folder.mkdir()
+    shutil.copy(model / "config.json", folder)
+    complete(str(folder), {"step": 4})
+    return folder
+
+
+def _unrelated_folder(model, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("not a model")
+    return tmp_path / "notes"
+
+
+BAD_SOURCES = {
+    "a model folder without its weights": (_without("model.safetensors"),
+                                           "is not a complete model folder: it has no weights"),
+    "a model folder without its config": (_without("config.json"),
+                                          "is not a complete model folder: it has no config.json"),
+    "a step folder that is no checkpoint": (_step_folder_without_position,
+                                            "is not a complete checkpoint: it has no position.json"),
+    "a checkpoint without weights": (_checkpoint_without_weights,
+                                     "is not a complete checkpoint: it holds no model weights"),
+    "a folder that is neither": (_unrelated_folder, "is neither a model folder (config.json and weights, as export "
+                                                    "writes) nor a step_<N> checkpoint"),
+    "no folder at all": (lambda model, tmp_path: tmp_path / "missing", "model not found: "),
+}
+
+
+def core_modules() -> set[str]:
+    """The modules of textclf that training imports: train.py's `textclf` imports, followed through each
+    module's own (those inside functions too, and those named by a string, as tasks.KINDS names each kind's), read
+    from the source without importing anything."""
+    import ast
+
+    def imported(path, package="textclf"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:  # from .x import y, from . import x
+                base = package if not node.module else f"{package}.{node.module}"
+                yield from [base] if node.module else (f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("textclf"):
+                yield node.module
+                yield from (f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                yield from (alias.name for alias in node.names)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("textclf."):
+                yield node.value  # importlib's: kept where it is a module
+
+    def source(module):
+        path = REPO.joinpath(*module.split("."))
+        return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
+
+    seen, todo = set(), [name for name in imported(REPO / "train.py") if source(name)]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        package = module if source(module).name == "__init__.py" else module.rpartition(".")[0]
+        todo += [name for name in imported(source(module), package) if name.startswith("textclf") and source(name)]
+    return seen
 
 
 @pytest.mark.slow
@@ -105,25 +206,12 @@ def test_a_deepspeed_checkpoint_exports_with_no_flag_its_pickles_read_weights_on
     assert own.keys() == elsewhere.keys() and all(torch.equal(own[name], elsewhere[name]) for name in own)
 
 
-def _save_fsdp_sharded(weights, checkpoint):
-    """What accelerate's save_state writes under FSDP with SHARDED_STATE_DICT (torch.distributed.checkpoint)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"model": weights}, storage_writer=dcp.FileSystemWriter(checkpoint / "pytorch_model_fsdp_0"))
-
-
-def _save_fsdp_full(weights, checkpoint):
-    """What it writes with FULL_STATE_DICT."""
-    torch.save(weights, checkpoint / "pytorch_model_fsdp.bin")
-
-
 @pytest.mark.parametrize("save_weights", [_save_fsdp_sharded, _save_fsdp_full], ids=["sharded", "full"])
 def test_fsdp_checkpoint_layouts_export_too(save_weights, tiny_model, tmp_path):
     """FSDP needs GPUs to train here, so the checkpoint is laid out by hand: train.py's files around the
     weights as accelerate's FSDP saving writes them."""
     from transformers import AutoTokenizer
 
-    from textclf.checkpointing.write import complete
     from textclf.errors import InputError
     from textclf.export import export_checkpoint
 
@@ -149,8 +237,6 @@ def test_fsdp_checkpoint_layouts_export_too(save_weights, tiny_model, tmp_path):
     assert all(torch.equal(exported[name], weights[name]) for name in weights)
 
 
-# --- Bad input: one line on stderr, exit code 2, nothing written. -----------------------------------
-
 def test_an_existing_target_is_refused_unless_overwrite(tiny_model, tmp_path):
     target = tmp_path / "target"
     target.mkdir()
@@ -167,51 +253,6 @@ def test_an_existing_target_is_refused_unless_overwrite(tiny_model, tmp_path):
     assert all(torch.equal(original[name], replaced[name]) for name in original)
 
 
-def _without(name):
-    def make(model, tmp_path):
-        folder = tmp_path / "model"
-        shutil.copytree(model, folder)
-        os.remove(folder / name)
-        return folder
-    return make
-
-
-def _step_folder_without_position(model, tmp_path):
-    (tmp_path / "step_3").mkdir()
-    return tmp_path / "step_3"
-
-
-def _checkpoint_without_weights(model, tmp_path):
-    from textclf.checkpointing.write import complete
-
-    folder = tmp_path / "step_4"
-    folder.mkdir()
-    shutil.copy(model / "config.json", folder)
-    complete(str(folder), {"step": 4})
-    return folder
-
-
-def _unrelated_folder(model, tmp_path):
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "todo.txt").write_text("not a model")
-    return tmp_path / "notes"
-
-
-BAD_SOURCES = {
-    "a model folder without its weights": (_without("model.safetensors"),
-                                           "is not a complete model folder: it has no weights"),
-    "a model folder without its config": (_without("config.json"),
-                                          "is not a complete model folder: it has no config.json"),
-    "a step folder that is no checkpoint": (_step_folder_without_position,
-                                            "is not a complete checkpoint: it has no position.json"),
-    "a checkpoint without weights": (_checkpoint_without_weights,
-                                     "is not a complete checkpoint: it holds no model weights"),
-    "a folder that is neither": (_unrelated_folder, "is neither a model folder (config.json and weights, as export "
-                                                    "writes) nor a step_<N> checkpoint"),
-    "no folder at all": (lambda model, tmp_path: tmp_path / "missing", "model not found: "),
-}
-
-
 @pytest.mark.parametrize("case", BAD_SOURCES)
 def test_a_source_that_is_not_a_model_is_one_clear_error(case, tiny_model, tmp_path):
     from textclf.export import main
@@ -222,43 +263,24 @@ def test_a_source_that_is_not_a_model_is_one_clear_error(case, tiny_model, tmp_p
     assert not (tmp_path / "target").exists()
 
 
-def core_modules() -> set[str]:
-    """The modules of textclf that training imports: train.py's `textclf` imports, followed through each
-    module's own (those inside functions too, and those named by a string, as tasks.KINDS names each kind's), read
-    from the source without importing anything."""
-    import ast
-
-    def imported(path, package="textclf"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level:  # from .x import y, from . import x
-                base = package if not node.module else f"{package}.{node.module}"
-                yield from [base] if node.module else (f"{base}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("textclf"):
-                yield node.module
-                yield from (f"{node.module}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.Import):
-                yield from (alias.name for alias in node.names)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("textclf."):
-                yield node.value  # importlib's: kept where it is a module
-
-    def source(module):
-        path = REPO.joinpath(*module.split("."))
-        return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
-
-    seen, todo = set(), [name for name in imported(REPO / "train.py") if source(name)]
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        package = module if source(module).name == "__init__.py" else module.rpartition(".")[0]
-        todo += [name for name in imported(source(module), package) if name.startswith("textclf") and source(name)]
-    return seen
-
-
 def test_training_imports_none_of_the_commands():
     """The core (train.py and what it imports) is what a fork reads; the commands are built on it, never in it."""
     core = core_modules()
     assert {"textclf.models.build", "textclf.models.folder", "textclf.data", "textclf.checkpointing",
             "textclf.tasks.multi_label"} <= core
     assert not core & {"textclf.export", "textclf.predict", "textclf.check", "textclf.report"}
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["model folder", "checkpoint"])
+def test_export_from_a_truncated_weights_file_is_one_line(tmp_path, checkpoint):
+    source = tmp_path / ("step_1" if checkpoint else "model")
+    BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32)).save_pretrained(source)
+    if checkpoint:
+        (source / "position.json").write_text(json.dumps({"step": 1, "epoch": 0, "batch_in_epoch": 1}))
+    weights = source / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(InputError) as refused:
+        export_checkpoint(str(source), str(tmp_path / "exported"))
+    assert str(source) in str(refused.value) and len(str(refused.value).splitlines()) == 1
+    assert not (tmp_path / "exported").exists()

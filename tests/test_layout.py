@@ -1,5 +1,5 @@
-"""The package's house: one concept per folder behind an `__init__` that names what the others may use, imports that
-point one way (import-linter's contracts in pyproject.toml), and the launch's environment read in one place."""
+"""The package's house: one concept per folder behind an __init__ that names what the others use, imports that point one
+way (import-linter's contracts in pyproject.toml), and the launch's environment read in one place."""
 
 import ast
 import re
@@ -18,15 +18,6 @@ def modules() -> dict[str, str]:
             for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def test_lint_imports_keeps_the_layers_and_finds_no_import_circle():
-    """Counting every import, those inside functions too: the commands down to the error path, never up, and no two
-    modules that import each other, directly or through others."""
-    lint = subprocess.run([Path(sys.executable).with_name("lint-imports")], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
-    assert "2 kept, 0 broken" in lint.stdout
-
-
 def folders() -> list[str]:
     return sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
 
@@ -35,6 +26,15 @@ def exported(folder: str) -> list[str]:
     init = ast.parse((PACKAGE / folder / "__init__.py").read_text(encoding="utf-8"))
     return next((ast.literal_eval(node.value) for node in init.body
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__"), [])
+
+
+def test_lint_imports_keeps_the_layers_and_finds_no_import_circle():
+    """Counting every import, those inside functions too: the commands down to the error path, never up, and no two
+    modules that import each other, directly or through others."""
+    lint = subprocess.run([Path(sys.executable).with_name("lint-imports")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert "2 kept, 0 broken" in lint.stdout
 
 
 def test_each_folder_names_what_the_others_use_and_nothing_else():

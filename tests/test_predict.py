@@ -1,17 +1,32 @@
-"""Predict: one output row per input row, in input order, on one process or several; bad input."""
+"""python -m textclf.predict (textclf/predict.py): rows in input order on one process and two, never a prompt to run a
+folder's code, links at its output replaced."""
 
 import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, assert_refused, read_csv, refusal, run_module, write_csv
+from conftest import (
+    OFFLINE,
+    REPO,
+    assert_refused,
+    code_shipping_folder,
+    read_csv,
+    refusal,
+    run_module,
+    untouched,
+    write_csv,
+)
 from textclf.data.reading import clean_text
 from textclf.models.folder import predict_logits
 from textclf.models.trained import inference_accelerator, load_trained
 from textclf.predict import main
+from textclf.tasks.task import Task
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +34,24 @@ def trained(four_step_run):
     """conftest's tiny model trained for 4 steps on one process: step_4/ and the export model/ hold the same
     weights."""
     return four_step_run
+
+
+def plant(link: Path, target: Path) -> Path:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+    return link
+
+
+def test_predict_never_prompts_to_run_a_folder_code(tmp_path):
+    """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is None, and reads
+    the answer from stdin: a "y" there must not run it."""
+    folder, marker = code_shipping_folder(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "textclf.predict", "--model", str(folder), "--text", "好"],
+                            cwd=REPO, input="y\ny\n", capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **OFFLINE})
+    assert_refused(result, "needs custom code to load")
+    assert "--trust_remote_code" in result.stderr
+    assert not marker.exists()
 
 
 @pytest.mark.slow
@@ -73,8 +106,6 @@ def test_sorted_batches_come_back_in_input_order(tiny_model):
     assert torch.allclose(batched, one_by_one, atol=1e-5)
 
 
-# --- Bad input: one line on stderr, exit code 2, nothing written. -----------------------------------
-
 def test_a_file_without_the_text_column(tiny_model, tmp_path):
     data = tmp_path / "comments.csv"
     data.write_text("id,comment\n1,好吃\n2,难吃\n", encoding="utf-8")
@@ -121,7 +152,6 @@ def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny
 
     from textclf.data.batches import length_sorted_loader
     from textclf.data.tokenized import tokenize
-    from textclf.tasks.task import Task
     from train import evaluate
 
     model, tokenizer = load_trained(str(tiny_model))
@@ -135,3 +165,23 @@ def test_evaluation_and_a_prediction_of_several_batches_show_a_progress_bar(tiny
     scores = evaluate(model, length_sorted_loader(table, tokenizer, 8), inference_accelerator(), task,
                       task.scores_with([]))
     assert scores["eval_samples"] == 5 and "eval: " in capsys.readouterr().err
+
+
+def test_predict_output_and_the_report_s_files_replace_links(tmp_path, victim):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from textclf.predict import write_rows
+    from textclf.report import save_figure
+
+    out = tmp_path / "out"
+    for name in ("pred.csv", "pred.csv.incomplete", "picture.png", "picture.png.incomplete.png"):
+        plant(out / name, victim / "file")
+    write_rows([{"text": "好", "label": "positive"}], str(out / "pred.csv"))
+    save_figure(plt.figure(), str(out / "picture.png"))
+    assert (out / "pred.csv").read_text(encoding="utf-8") == "text,label\n好,positive\n"
+    assert (out / "picture.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(os.listdir(out)) == ["picture.png", "pred.csv"]
+    assert not any((out / name).is_symlink() for name in os.listdir(out)) and untouched(victim)

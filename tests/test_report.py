@@ -1,6 +1,8 @@
-"""Evaluate: scores, a per-class table with the 10 Chinese category names, a confusion-matrix PNG; bad labels."""
+"""python -m textclf.report (textclf/report.py): scores, figures and a TF-IDF baseline on a labelled file."""
 
+import errno
 import json
+import os
 
 import pytest
 from PIL import Image
@@ -134,3 +136,18 @@ def test_the_report_scores_the_examples_the_run_evaluated_by_default_numbers_as_
     (out / "model").rename(moved)
     refused = run_module("textclf.report", ["--model", moved, "--output_dir", tmp_path / "r"], check=False)
     assert refused.returncode == 2 and f"no --file given, and {tmp_path / 'eval.jsonl'}" in refused.stderr
+
+
+def test_a_report_that_fails_to_write_leaves_no_empty_folder(tmp_path, tiny_model, reviews_csv, monkeypatch):
+    from textclf import report
+    from textclf.errors import InputError, write_failed
+
+    def failing(path, obj, *args):
+        raise write_failed("write", path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "free space")
+
+    monkeypatch.setattr(report, "write_json", failing)
+    out = tmp_path / "reports" / "first"
+    with pytest.raises(InputError, match="No space left on device"):
+        report.main(list(map(str, ["--model", tiny_model, "--file", reviews_csv, "--output_dir", out,
+                                   "--no_baseline"])))
+    assert os.listdir(tmp_path) == []

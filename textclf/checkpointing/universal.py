@@ -91,7 +91,7 @@ def after_universal_load(accelerator: Accelerator, optimizer, folder: str, setti
     DeepSpeed's universal load changes that an uninterrupted run would not have, then remove the folder."""
     # It gives every ZeRO-3 partition one shared `step` tensor, which fused AdamW then increments in place
     # once per partition at each step: each gets its own. (optimizer.optimizer is DeepSpeed's ZeRO optimizer,
-    # its .optimizer the torch one; test_resume.py's ZeRO-3 resumes fail if either changes.)
+    # its .optimizer the torch one; tests/checkpointing/test_load.py's ZeRO-3 resumes fail if either changes.)
     for state in optimizer.optimizer.optimizer.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()

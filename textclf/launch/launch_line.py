@@ -83,7 +83,7 @@ def read_launch_line(launch_line: Optional[list[str]] = None) -> Optional[Launch
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 # accelerate's private merge of the yaml and the launch line, what its launcher itself reads (no
-                # public one); tests/test_users.py's shortfall test fails if it changes
+                # public one); tests/launch/test_checks.py's shortfall test fails if it changes
                 completed = _validate_launch_command(completed)[0]
         finally:
             logger.setLevel(level)
