@@ -3,8 +3,7 @@ stops early), the best evaluation so far, the divergence watch, and where it rep
 --report_to names, through accelerate's)."""
 
 from .best_model import record_best_model, track_best
-from .divergence import DivergenceWatch
-from .schedule import Schedule, due, patience_ran_out, request_stop_on_signals
+from .schedule import DivergenceWatch, Schedule, due, patience_ran_out, request_stop_on_signals
 from .tracking import (
     JsonLinesTracker,
     Window,

@@ -22,8 +22,7 @@ from textclf.data import length_sorted_loader, tokenize
 from textclf.errors import WRITE_ERRORS, InputError, write_failed
 from textclf.files import write_json
 
-from .build import lora_settings, make_model
-from .pretrained import load_refused, refuse_custom_code
+from .build import load_refused, lora_settings, make_model, refuse_custom_code
 from .tokenizer import load_folder_tokenizer
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -18,8 +18,7 @@ from textclf.data import text_columns
 from textclf.errors import InputError, say
 from textclf.files import sha256
 
-from .build import SCRATCH_VOCAB_SIZE, scratch_size
-from .pretrained import load_refused, refuse_custom_code
+from .build import SCRATCH_VOCAB_SIZE, load_refused, refuse_custom_code, scratch_size
 
 # In a learnt tokenizer's folder: the sha256 of each of its files, as learnt.
 LEARNT_FILES = "learnt_files.json"

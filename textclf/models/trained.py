@@ -29,9 +29,8 @@ from textclf.checkpointing import (
 from textclf.config import CONSENT_FIELDS, TrainConfig, require_trained_model
 from textclf.errors import InputError
 
-from .build import lora_settings, make_model
+from .build import lora_settings, make_model, needs_remote_code, refuse_custom_code
 from .folder import TRAINING, load_model_folder, weight_files
-from .pretrained import needs_remote_code, refuse_custom_code
 from .tokenizer import load_folder_tokenizer
 
 

@@ -5,8 +5,7 @@ from collections import Counter
 
 from textclf.errors import InputError
 
-from .single_label import SingleLabel
-from .task import Task, label_table
+from .task import SingleLabel, Task, label_table
 
 
 class MultiLabel(Task):
