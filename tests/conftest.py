@@ -27,9 +27,13 @@ from families import save_family_model
 from forked import run_forked
 from textclf.checkpointing.folders import POSITION
 from textclf.checkpointing.write import SIGNATURE, SIGNED_FORMAT, own_sha256
+from textclf.models.build import make_model, training_config
 from textclf.tasks.task import Task
 
 REPO = Path(__file__).resolve().parents[1]
+
+CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
+
 # No test may reach a hub: the suite proves the template works offline.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -737,3 +741,9 @@ def wait_for(condition, process, timeout=300, poll=0.002):
         assert process is None or process.poll() is None, "training ended before the moment to stop it"
         assert time.time() < deadline, "timed out waiting for the moment to stop training"
         time.sleep(poll)
+
+
+def to_train(model: str, tokenizer, label_names: list[str], **options):
+    """The model train.py builds to fine-tune `model` (job.py's two calls), at max_length 32."""
+    head = Task.of("single_label", "text", "label").head_config(label_names)
+    return make_model(training_config(model, tokenizer, head, 32), model, **options)

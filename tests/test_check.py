@@ -30,10 +30,6 @@ FILLED_BY_ACCELERATE = ("train_batch_size", "train_micro_batch_size_per_gpu", "g
                         "gradient_clipping")
 
 
-
-
-
-
 def report(out: str) -> dict:
     """The check's `name  value` lines as a dict."""
     return {line[:18].strip(): line[18:] for line in out.splitlines() if line[:18].strip()}

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import (
+    CPU_YAML,
     OFFLINE,
     REPO,
     TINY,
@@ -63,18 +64,11 @@ BAD_POSITIONS = {
 }
 
 
-CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
-
-
 def train(args, config_file=None, check=True):
     """train.py forked after the imports (conftest.train_forked): one process, or the ranks `config_file` sets up.
     The launches these resumes are made from are real where a test stops them, and `python train.py --resume`
     runs for real in test_a_non_default_run_resumes_exactly_from_its_path_alone."""
     return train_forked(args, config_file=config_file, check=check)
-
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +91,6 @@ def two_process_ga3(tmp_path_factory, args):
            "--per_device_eval_batch_size", 7, "--logging_steps", 5]
     train([*run, "--save_steps", 1, "--output_dir", out], config_file=CPU_YAML)
     return out, run
-
-
 
 
 def start(args, output_dir):
@@ -297,12 +289,6 @@ def dropout_free_model(tmp_path_factory, tiny_model):
                                                           attention_probs_dropout_prob=0.0)
     return save_verified(model, AutoTokenizer.from_pretrained(tiny_model),
                          str(tmp_path_factory.mktemp("dropout_free") / "model"))
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("case", BAD_POSITIONS)

@@ -34,17 +34,9 @@ def wait_until(condition, what, timeout=600):
         time.sleep(0.1)
 
 
-
-
-
-
 def run_limited(command, limit) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **OFFLINE},
                           preexec_fn=limit, timeout=900)
-
-
-
-
 
 
 def old_run(out: Path) -> Path:

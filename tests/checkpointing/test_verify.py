@@ -74,12 +74,6 @@ def edit_position(checkpoint, edit) -> None:
 ZOO = REPO / "accelerate_configs"
 
 
-
-
-
-
-
-
 EDITS = {
     "step": step_moved,
     "seed": lambda position: position["config"].update(seed=7),

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from conftest import (
+    CPU_YAML,
     OFFLINE,
     REPO,
     TINY,
@@ -31,10 +32,6 @@ from conftest import (
     untouched,
     wait_for,
 )
-
-CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
-
-
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +67,6 @@ def wait_until(condition, what, timeout=600):
 
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
-
-
-
-
 
 
 def run_limited(command, limit) -> subprocess.CompletedProcess:
@@ -121,8 +114,6 @@ def many_reviews(tmp_path_factory, corpus_csv) -> Path:
     lines = corpus_csv.read_text(encoding="utf-8").splitlines(keepends=True)
     path.write_text(lines[0] + "".join(lines[1:] * 3), encoding="utf-8")
     return path
-
-
 
 
 def plant(link: Path, target: Path) -> Path:

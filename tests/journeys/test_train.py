@@ -16,7 +16,7 @@ from transformers import (
 
 from conftest import (
     ASPECTS,
-    REPO,
+    CPU_YAML,
     TINY,
     assert_pipeline_predicts_like_the_trained_model,
     assert_refused,
@@ -25,8 +25,6 @@ from conftest import (
     run_train,
     train_forked,
 )
-
-CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
 
 
 @pytest.fixture(scope="module")

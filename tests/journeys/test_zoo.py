@@ -60,7 +60,6 @@ def ddp_reference(tmp_path_factory, run_args):
 LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")
 
 
-
 def test_cpu_yaml_is_ddp_over_two_real_processes(ddp_reference):
     out, run = ddp_reference
     assert (run["distributed_type"], run["num_processes"], run["num_machines"]) == ("MULTI_CPU", 2, 1)

@@ -1,7 +1,6 @@
 """The check's memory lines (textclf/launch/memory_report.py): what each framework holds beyond the model states."""
 
 
-
 def test_the_peak_per_rank_adds_what_each_framework_holds_beyond_the_model_states():
     from textclf.launch.estimates import framework_buffer_bytes
 

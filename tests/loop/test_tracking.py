@@ -26,10 +26,6 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(True)
 
 
-
-
-
-
 def test_log_jsonl_stays_strict_json_when_a_loss_is_not_finite(tmp_path):
     from textclf.loop.tracking import JsonLinesTracker
 

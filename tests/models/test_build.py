@@ -28,6 +28,7 @@ from conftest import (
     read_log,
     run_module,
     run_train,
+    to_train,
     train_forked,
 )
 from families import FAMILIES
@@ -39,13 +40,6 @@ from textclf.models.folder import predict_logits
 from textclf.models.lora import apply_lora
 from textclf.models.tokenizer import get_tokenizer
 from textclf.models.trained import load_trained
-from textclf.tasks.task import Task
-
-
-def to_train(model: str, tokenizer, label_names: list[str], **options):
-    """The model train.py builds to fine-tune `model` (job.py's two calls), at max_length 32."""
-    head = Task.of("single_label", "text", "label").head_config(label_names)
-    return make_model(training_config(model, tokenizer, head, 32), model, **options)
 
 
 class RunsCode:
@@ -173,8 +167,6 @@ BAD_MODELS = {"no sequence-classification class": _no_classification_class, "cus
               "max_length beyond the positions": _too_long}
 
 
-
-
 def known_type_with_auto_map(tmp_path, where):
     """A BERT model folder (`model`) or step_<N> checkpoint (`checkpoint`) whose config or tokenizer config names
     custom code in an auto_map: transformers knows `bert`, and without the refusal loads its own class instead."""
@@ -193,8 +185,6 @@ def known_type_with_auto_map(tmp_path, where):
     if kind == "checkpoint":
         complete(str(folder), {"step": 1, "epoch": 0, "batch_in_epoch": 1})  # sealed, as a run seals it
     return folder
-
-
 
 
 EMBEDDINGS = "bert.embeddings.word_embeddings.weight"

@@ -9,20 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import untouched
+from conftest import to_train, untouched
 from families import FAMILIES
 from textclf.models.build import make_model, training_config
 from textclf.models.folder import predict_logits
 from textclf.models.tokenizer import get_tokenizer
-from textclf.tasks.task import Task
-
-
-def to_train(model: str, tokenizer, label_names: list[str], **options):
-    """The model train.py builds to fine-tune `model` (job.py's two calls), at max_length 32."""
-    head = Task.of("single_label", "text", "label").head_config(label_names)
-    return make_model(training_config(model, tokenizer, head, 32), model, **options)
-
-
 
 
 def plant(link: Path, target: Path) -> Path:
@@ -81,7 +72,6 @@ def test_an_export_shows_no_bars_of_transformers_unless_verbose(pretrained_backb
     from transformers.utils import logging as transformers_logging
 
     from textclf.launch.process import run_scope
-    from textclf.models.build import make_model, training_config
     from textclf.models.folder import save_verified
 
     if verbose:

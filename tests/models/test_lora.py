@@ -19,21 +19,14 @@ from conftest import (
     losses,
     moved_away,
     run_module,
+    to_train,
     train_forked,
 )
 from textclf.export import export_checkpoint
-from textclf.models.build import make_model, parameter_groups, training_config
+from textclf.models.build import parameter_groups
 from textclf.models.lora import apply_lora
 from textclf.models.tokenizer import get_tokenizer
 from textclf.models.trained import checkpoint_weights
-from textclf.tasks.task import Task
-
-
-def to_train(model: str, tokenizer, label_names: list[str], **options):
-    """The model train.py builds to fine-tune `model` (job.py's two calls), at max_length 32."""
-    head = Task.of("single_label", "text", "label").head_config(label_names)
-    return make_model(training_config(model, tokenizer, head, 32), model, **options)
-
 
 CONFIGS = {"ddp": "cpu.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForSequenceClassification, pipeline
 
 from conftest import (
     ASPECTS,
+    CPU_YAML,
     REPO,
     SINGLE,
     TASK_EVAL,
@@ -35,9 +36,6 @@ from textclf.errors import InputError
 from textclf.models.folder import predict_logits
 from textclf.models.trained import load_trained
 from textclf.tasks.task import Task
-
-CPU_YAML = REPO / "accelerate_configs" / "cpu.yaml"
-
 
 STEPS, RESUME_AT = 8, 6
 
