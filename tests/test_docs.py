@@ -63,6 +63,7 @@ NOT_RUN = {
     r"\bsbatch\b": "needs SLURM",
     r"scripts/gpu_": "needs a GPU machine (docs/gpu.md)",
     r"--model (?![./]|checkpoints/)[\w.-]+/|--model bert-base-chinese": "a hub model: needs the network",
+    r"--metric (?![./])[\w:-]+": "a Hub metric: needs the network, or evaluate's cache (tasks/test_scores.py)",
     r"\btrain\.py\b": "trains: journeys/test_train.py, journeys/test_zoo.py and models/test_build.py run it so",
     r"textclf\.(export|predict|report)\b": "needs a trained model: test_export.py, test_predict.py, test_report.py",
     r"-m benchmarks": "takes minutes: journeys/test_bench.py runs it --quick",
