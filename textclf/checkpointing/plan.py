@@ -1,6 +1,6 @@
 """Where a run starts, planned before torch is imported: fresh, or the checkpoint --resume names. A resume is read
 first (read_resume: the checkpoint found, its position.json verified, who wrote it judged, its config as this folder
-sees it); the command line is parsed over that config (textclf/cli.py's plan_run); then plan_start refuses what
+sees it); the command line is parsed over that config, by the caller; then plan_start refuses what
 would make it another run and works out what the checkpoint needs of this launch: the gradient accumulation that
 keeps its global batch, its loop position counted in this launch's batches, and whether ZeRO's states go through a
 universal checkpoint. A resume that this launch cannot continue is refused in a fraction of a second.
