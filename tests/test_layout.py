@@ -85,4 +85,4 @@ def test_the_launch_s_environment_is_read_in_one_place():
     launch_variable = re.compile(r"[\"'](WORLD_SIZE|RANK|LOCAL_RANK|GROUP_WORLD_SIZE|ACCELERATE_\w+)[\"']")
     readers = sorted(name for name, source in modules().items()
                      if "os.environ" in source and launch_variable.search(source))
-    assert readers == ["textclf.errors", "textclf.launch.environment"], readers
+    assert readers == ["textclf.errors", "textclf.launch.launcher"], readers

@@ -32,7 +32,7 @@ def launched_as(monkeypatch, name: str, launch_args=()) -> list[str]:
     train.py reads from its parent process."""
     import torch
 
-    from textclf.launch import launch_line
+    from textclf.launch import launcher
 
     processes = 1 if name == "single_gpu.yaml" else 2
     line = ["--config_file", str(ZOO / name), "--num_processes", str(processes), *launch_args, "train.py"]
@@ -42,7 +42,7 @@ def launched_as(monkeypatch, name: str, launch_args=()) -> list[str]:
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(launch_line, "parent_launch_line", lambda: line)
+    monkeypatch.setattr(launcher, "parent_launch_line", lambda: line)
     return line
 
 

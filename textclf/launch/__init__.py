@@ -7,8 +7,8 @@ from .checks import check_command_line, check_launch_early, launch_shortfall, re
 from .conflicts import check_machine, check_topology, check_zero, deepspeed_precision
 from .deepspeed_config import before_the_accelerator, complete_the_plugin, deepspeed_conflicts, zero_offload
 from .deepspeed_ops import load_deepspeed_ops
-from .environment import launch_environment
 from .estimates import OFFLOADED_BY, model_state_bytes, training_flops_per_token
+from .launcher import launch_environment
 from .memory_report import memory_report, plural
 from .process import describe_run, exit_finished_run, scoped, set_for_the_run, until_the_run_ends
 from .resolved import PRECISIONS, has_cuda, read_deepspeed, read_launch

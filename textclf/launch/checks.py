@@ -9,8 +9,7 @@ from textclf.config import require_data
 from textclf.errors import InputError
 
 from .deepspeed_config import refuse_conflicts, stage_and_precision
-from .environment import launch_environment
-from .launch_line import launched_on_gpus, shortfall
+from .launcher import launch_environment, launched_on_gpus, shortfall
 
 
 def check_command_line(cfg) -> None:

@@ -6,7 +6,7 @@ import json
 
 from .checks import cuda_only, float16_weights_conflict
 from .deepspeed_config import zero_offload
-from .launch_line import fewer_processes
+from .launcher import fewer_processes
 from .resolved import has_cuda
 
 

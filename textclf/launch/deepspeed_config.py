@@ -8,7 +8,7 @@ import json
 from textclf.errors import InputError
 
 from .deepspeed_ops import load_deepspeed_ops
-from .environment import launch_environment
+from .launcher import launch_environment
 
 
 def stage_and_precision(precision: str) -> tuple[int, str]:

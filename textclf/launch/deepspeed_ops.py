@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import psutil
 
-from .environment import launch_environment
+from .launcher import launch_environment
 
 # DeepSpeed's C++ ops that launches compile at first use, by the names DeepSpeed's accelerator knows their
 # builders, and about how many seconds compiling takes on a 2-core CPU (said when a launch compiles one).

@@ -23,7 +23,7 @@ from textclf.config import TrainConfig
 from textclf.errors import exit_now, verbose
 
 from .deepspeed_config import zero_offload
-from .environment import launch_environment
+from .launcher import launch_environment
 
 if TYPE_CHECKING:  # accelerate is imported by train.py, after its pre-launch checks
     from accelerate import Accelerator

@@ -15,7 +15,7 @@ from typing import Optional
 from textclf.errors import InputError
 
 from .deepspeed_config import check_deepspeed_config
-from .launch_line import gpus_named
+from .launcher import gpus_named
 
 PRECISIONS = ("no", "fp16", "bf16")
 

@@ -1,5 +1,7 @@
-"""The accelerate launch line, read as accelerate reads it (textclf/launch/launch_line.py)."""
+"""What the launcher told this process: its environment, and the accelerate launch line read as accelerate reads it
+(textclf/launch/launcher.py)."""
 
+import os
 import warnings
 
 import pytest
@@ -13,7 +15,7 @@ def test_gpus_named_on_the_launch_line_make_a_gpu_launch_and_asking_for_the_cpu_
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
-    from textclf.launch.launch_line import gpus_named
+    from textclf.launch.launcher import gpus_named
 
     def named(name, *launch_args):
         line = launch_command_parser().parse_args(["--config_file", str(name), *launch_args, "train.py"])
@@ -52,3 +54,23 @@ def test_a_single_machine_zoo_file_takes_a_free_port_beside_another_launch(name,
         warnings.simplefilter("error")  # accelerate's "Port 29500 is already in use" is a warning
         (prepare_deepspeed_cmd_env if args.use_deepspeed else prepare_multi_gpu_env)(args)
     assert args.main_process_port not in (0, 29500)  # what torchrun is given
+
+
+def test_the_environment_is_read_anew_as_torchrun_or_accelerate_launch_set_it(monkeypatch):
+    from textclf.launch.launcher import LaunchEnvironment, launch_environment
+
+    for key in [key for key in os.environ if key.startswith("ACCELERATE_")] + ["WORLD_SIZE", "RANK", "LOCAL_RANK",
+                                                                              "GROUP_WORLD_SIZE"]:
+        monkeypatch.delenv(key, raising=False)
+    assert launch_environment() == LaunchEnvironment()
+    for key, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "GROUP_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)  # torchrun's, on the second of two machines
+    torchrun = launch_environment()
+    assert (torchrun.world_size, torchrun.rank, torchrun.local_rank, torchrun.num_machines) == (4, 3, 1, 2)
+    assert not torchrun.by_accelerate_launch
+    for key, value in {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_DEEPSPEED": "true",
+                       "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_NUM_MACHINES": "1"}.items():
+        monkeypatch.setenv(key, value)
+    launched = launch_environment()
+    assert launched.by_accelerate_launch and launched.deepspeed and not launched.fsdp
+    assert (launched.deepspeed_zero_stage, launched.mixed_precision, launched.num_machines) == (3, "bf16", 1)
