@@ -138,6 +138,7 @@ def another_user(folder):
     secret = Path(folder) / "another_user_secret"
     if not secret.exists():
         secret.write_bytes(os.urandom(32))
+        secret.chmod(0o600)
     before = os.environ["TEXTCLF_SECRET_FILE"]
     os.environ["TEXTCLF_SECRET_FILE"] = str(secret)
     try:

@@ -298,6 +298,52 @@ def test_who_wrote_a_checkpoint_is_judged_by_its_signature(step_2, tmp_path):
     assert sealed({"step": 1}, own_secret())[SIGNATURE] != sealed({"step": 2}, own_secret())[SIGNATURE]
 
 
+def test_an_edit_that_drops_or_garbles_the_signature_s_parts_is_refused_in_one_line(step_2):
+    """A signature kept without the id of its secret is an edit, not another user's checkpoint; a signature or a
+    field that is not the text this code writes (non-ASCII, a lone surrogate) is one line, never a crash."""
+    edits = {
+        "signed_by removed": lambda position: position.pop("signed_by"),
+        "signed_by garbled": lambda position: position.update(signed_by=["not", "an", "id"]),
+        "a non-ASCII signature": lambda position: position.update(signature="é" * 64),
+        "a lone surrogate": lambda position: position["config"].update(run_name="\udc80"),
+    }
+    for what, edit in edits.items():
+        checkpoint = shutil.copytree(step_2, step_2.parent / what.replace(" ", "_"))
+        reseal(checkpoint, edit)
+        position = read_verified_position(str(checkpoint))
+        with pytest.raises(InputError) as refused:
+            authorship(str(checkpoint), position)
+        assert one_line(refused).startswith(f"cannot load checkpoint {checkpoint}: its {POSITION} "), what
+        assert "it was edited" in one_line(refused), what
+
+
+def test_every_loader_refuses_a_file_the_checkpoint_did_not_record_or_a_record_outside_it(step_2, tmp_path):
+    """export, predict and report find the weights and the tokenizer's files by name: an added one (a
+    model.safetensors beside DeepSpeed's shards would be taken first) is refused, as is a record that names a path
+    outside the checkpoint or a link (a device behind it would be hashed forever)."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x")
+    cases = {
+        "an added file": lambda c: ((c / "tokenizer" / "added_tokens.json").write_text("{}"),
+                                    "tokenizer/added_tokens.json is not among the files it recorded"),
+        "an absolute record": lambda c: (reseal(c, lambda p: p["files"].update({str(outside): {"size": 1}})),
+                                         f"{outside} is not a path inside the checkpoint"),
+        "a record up and out": lambda c: (reseal(c, lambda p: p["files"].update({"../outside": {"size": 1}})),
+                                          "../outside is not a path inside the checkpoint"),
+        "a link": lambda c: ((c / "zeros").symlink_to("/dev/zero"),
+                             reseal(c, lambda p: p["files"].update({"zeros": {"size": 0, "sha256": "0" * 64}})),
+                             "zeros is not a regular file")[1:],
+    }
+    for what, make in cases.items():
+        checkpoint = shutil.copytree(step_2, tmp_path / what.replace(" ", "_"))
+        _, expected = make(checkpoint)
+        with another_user(tmp_path):  # no signature can vouch for it: what a checkpoint from elsewhere meets
+            with pytest.raises(InputError) as refused:
+                load_trained(str(checkpoint))
+        assert one_line(refused).startswith(f"cannot load checkpoint {checkpoint}: {expected}"), what
+        assert one_line(refused).endswith("; use another checkpoint"), what
+
+
 @pytest.mark.slow
 def test_zero2_edits_planted_pickles_and_another_user(zero2_run, tmp_path):
     """Under zero2.yaml: a resealed edit of the seed trains nothing; a partition replaced by a pickle that would run

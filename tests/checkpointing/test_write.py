@@ -73,8 +73,39 @@ def test_a_secret_that_cannot_be_made_or_used_is_one_line_naming_the_variable(tm
     with pytest.raises(InputError, match=f"cannot make .* set {SECRET_FILE} to a file path this user can write"):
         own_secret()
     (tmp_path / "short").write_bytes(b"12345")
+    (tmp_path / "short").chmod(0o600)
     monkeypatch.setenv(SECRET_FILE, str(tmp_path / "short"))
     with pytest.raises(InputError, match=f"holds 5 bytes, fewer than 32: delete it .* {SECRET_FILE}"):
+        own_secret()
+
+
+def test_a_secret_that_is_not_this_user_s_alone_is_refused_and_nothing_is_signed_with_it(tmp_path, monkeypatch):
+    """A file someone else could have planted or read (a link, dangling or not; a folder; another user's; open to
+    others) signs nothing: one line, and no checkpoint is written unsigned in its place."""
+    planted = tmp_path / "planted"
+    planted.write_bytes(os.urandom(32))
+    planted.chmod(0o600)
+    refused = {
+        "a link": (plant(tmp_path / "link", planted), "it is a symbolic link"),
+        "a dangling link": (plant(tmp_path / "dangling", tmp_path / "nowhere"), "it is a symbolic link"),
+        "a folder": (tmp_path / "a_folder", "is not a regular file"),
+    }
+    (tmp_path / "a_folder").mkdir()
+    open_to_others = tmp_path / "open"
+    open_to_others.write_bytes(os.urandom(32))
+    open_to_others.chmod(0o644)
+    refused["open to others"] = (open_to_others, "has mode 644, open to others")
+    for what, (path, why) in refused.items():
+        monkeypatch.setenv(SECRET_FILE, str(path))
+        for call in (read_secret, own_secret):
+            with pytest.raises(InputError, match=f"{why}.*{SECRET_FILE}"):
+                call()
+    assert not (tmp_path / "nowhere").exists()  # the dangling link was not followed to make a secret there
+    monkeypatch.setenv(SECRET_FILE, str(planted))
+    assert read_secret() == planted.read_bytes()
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # the same file, read by another user
+    with pytest.raises(InputError, match=f"belongs to another user \\(uid {uid}\\)"):
         own_secret()
 
 

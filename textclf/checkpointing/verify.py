@@ -12,6 +12,7 @@ import pickle
 import re
 import sys
 from contextlib import contextmanager
+from stat import S_ISREG
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from textclf.errors import InputError, checked_on_main_process
@@ -80,6 +81,10 @@ def authorship(checkpoint: str, position: dict) -> Optional[str]:
     say-so. A signature made with this user's secret that does not verify is an edit: refused."""
     if SIGNATURE not in position:
         return "it is not signed, as an older textclf left its checkpoints"
+    if not (isinstance(position.get(SIGNED_BY), str) and re.fullmatch(r"[0-9a-f]{16}", position[SIGNED_BY])):
+        raise InputError(f"cannot load checkpoint {checkpoint}: its {POSITION} has a signature but no id of the secret "
+                         "that made it, which this textclf always writes with one: it was edited; use another "
+                         "checkpoint")
     secret = read_secret()
     if secret is None:
         return f"this machine has no secret to check its signature with ({secret_path()})"
@@ -156,16 +161,10 @@ def recorded_file_problems(checkpoint: str, position: dict, names: Optional[Iter
     older = "sha256" not in position and why_not_older(position) is None
     problems, to_hash = [], []
     for name, recorded in files.items():
-        path = os.path.join(checkpoint, name)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            problems.append(f"{name} is missing")
-            continue
-        except OSError as e:
-            problems.append(f"{name} is unreadable ({e.strerror})")
-            continue
-        if size != recorded.get("size"):
+        size, problem = recorded_file_size(checkpoint, name)
+        if problem:
+            problems.append(problem)
+        elif size != recorded.get("size"):
             problems.append(f"{name} has {size} bytes, {recorded.get('size')} when it was saved")
         elif "sha256" in recorded or not older:
             to_hash.append(name)
@@ -178,6 +177,22 @@ def recorded_file_problems(checkpoint: str, position: dict, names: Optional[Iter
     if older:
         warn_older(checkpoint, unhashed)
     return problems
+
+
+def recorded_file_size(checkpoint: str, name: str) -> tuple[Optional[int], Optional[str]]:
+    """(the size of the file `name` records, None) where it is a regular file inside `checkpoint`; else (None, the
+    line that says why not)."""
+    if os.path.isabs(name) or name != os.path.normpath(name) or name.startswith(".."):
+        return None, f"{name} is not a path inside the checkpoint, as a recorded file's always is"
+    try:
+        status = os.lstat(os.path.join(checkpoint, name))
+    except FileNotFoundError:
+        return None, f"{name} is missing"
+    except OSError as e:
+        return None, f"{name} is unreadable ({e.strerror})"
+    if not S_ISREG(status.st_mode):  # a link, a device: not what a run writes, whatever it leads to
+        return None, f"{name} is not a regular file, as every file a run saves is"
+    return status.st_size, None
 
 
 def warn_older(checkpoint: str, unhashed: list[str]) -> None:
@@ -202,25 +217,34 @@ def verified_folder(checkpoint: str, folder: str) -> str:
     if not recorded:
         raise InputError(f"cannot resume from {checkpoint}: its {POSITION} records no {folder}/ folder, which a "
                          "resume loads from it; resume from another checkpoint (--resume <output_dir>/step_<N>)")
-    path = os.path.join(checkpoint, folder)
-    present = {os.path.relpath(os.path.join(root, name), checkpoint) for root, _, names in os.walk(path)
-               for name in names}
     problems = recorded_file_problems(checkpoint, position, recorded)
     problems += [f"{name} is not among the files it recorded (loading {folder}/ would read it all the same)"
-                 for name in sorted(present - set(recorded))]
+                 for name in unrecorded_files(checkpoint, position, folder)]
     if problems:
         raise InputError("\n".join(f"cannot resume from {checkpoint}: {problem}; resume from another checkpoint "
                                    "(--resume <output_dir>/step_<N>)" for problem in problems))
-    return path
+    return os.path.join(checkpoint, folder)
 
 
 def verify_checkpoint(checkpoint: str, position: dict) -> None:
-    """Every file the checkpoint recorded is the one saved, before anything of it is loaded (export, predict,
-    report, the best model's reload): one line per file that is not."""
+    """Every file the checkpoint recorded is the one saved, and it holds no other, before anything of it is loaded
+    (export, predict, report, the best model's reload, which find the weights and the tokenizer's files by their
+    names): one line per file that is not."""
     problems = recorded_file_problems(checkpoint, position)
+    if listed_files(position) is not None:  # else the one problem is that it lists none
+        problems += [f"{name} is not among the files it recorded" for name in unrecorded_files(checkpoint, position)]
     if problems:
         raise InputError("\n".join(f"cannot load checkpoint {checkpoint}: {problem}; use another checkpoint"
                                    for problem in problems))
+
+
+def unrecorded_files(checkpoint: str, position: dict, folder: str = "") -> list[str]:
+    """The files under `checkpoint`'s sub-folder `folder` (all of it by default) that its position.json does not
+    record, position.json itself aside."""
+    recorded = set(listed_files(position) or {}) | {POSITION}
+    present = {os.path.relpath(os.path.join(root, name), checkpoint)
+               for root, _, names in os.walk(os.path.join(checkpoint, folder)) for name in names}
+    return sorted(present - recorded)
 
 
 def verify_files(checkpoint: str, position: dict) -> None:

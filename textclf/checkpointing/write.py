@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 from contextlib import contextmanager
+from stat import S_IMODE, S_ISREG
 from typing import TYPE_CHECKING, Optional
 
 from textclf import files
@@ -43,7 +44,9 @@ SIGNED_FORMAT = (SIGNED_BY, STARTED_IN)
 def canonical(fields: dict) -> bytes:
     """The text a position's sha256 and signature are computed over: its fields as JSON reads them back (int keys
     become strings, tuples lists), so that both still match once the file is read."""
-    return json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False).encode()
+    # surrogatepass: a lone surrogate (a path's undecodable byte, or an edit) is text JSON carries, not an error.
+    return json.dumps(json.loads(json.dumps(fields)), sort_keys=True, ensure_ascii=False).encode("utf-8",
+                                                                                                 "surrogatepass")
 
 
 def sealed(position: dict, secret: Optional[bytes] = None) -> dict:
@@ -76,21 +79,45 @@ def secret_path() -> str:
 
 
 def read_secret() -> Optional[bytes]:
-    """This user's secret; None where there is none yet. One that cannot be used is one line."""
+    """This user's secret; None where there is none yet. One that cannot be trusted to be theirs alone (a link, not a
+    regular file, another user's, readable by others), or cannot be used, is one line."""
     path = secret_path()
     try:
-        with open(path, "rb") as f:
-            secret = f.read()
+        # O_NOFOLLOW: a link planted at the path (dangling or not) is refused, never followed or replaced.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise InputError(f"cannot read {path}, the secret that signs this user's checkpoints: {e.strerror}; make it "
-                         f"readable, or name another file with {SECRET_FILE}") from None
+        why = "it is a symbolic link" if os.path.islink(path) else e.strerror
+        raise InputError(f"cannot read {path}, the secret that signs this user's checkpoints: {why}; make it a "
+                         f"file of this user's, or name another file with {SECRET_FILE}") from None
+    try:
+        problem = secret_file_problem(os.fstat(fd))
+        if problem:
+            raise InputError(f"{path}, the secret that signs this user's checkpoints, {problem}: anyone who can "
+                             "write or read it could sign checkpoints as this user; delete it (a run makes a new "
+                             "one; checkpoints signed with the old one then count as written elsewhere), or name "
+                             f"another file with {SECRET_FILE}")
+        with open(fd, "rb", closefd=False) as f:
+            secret = f.read()
+    finally:
+        os.close(fd)
     if len(secret) < SECRET_BYTES:
         raise InputError(f"{path}, the secret that signs this user's checkpoints, holds {len(secret)} bytes, fewer "
                          f"than {SECRET_BYTES}: delete it (a run makes a new one; checkpoints signed with the old one "
                          "then count as written elsewhere), or name another file with " + SECRET_FILE)
     return secret
+
+
+def secret_file_problem(stat: os.stat_result) -> Optional[str]:
+    """What makes a secret's file not this user's alone, as ssh judges a private key's; None where it is."""
+    if not S_ISREG(stat.st_mode):
+        return "is not a regular file"
+    if stat.st_uid != os.getuid():
+        return f"belongs to another user (uid {stat.st_uid})"
+    if stat.st_mode & 0o077:
+        return f"has mode {S_IMODE(stat.st_mode):o}, open to others (chmod 600 it if it is yours)"
+    return None
 
 
 def own_secret() -> bytes:
@@ -116,7 +143,11 @@ def own_secret() -> bytes:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-    return read_secret()
+    secret = read_secret()
+    if secret is None:  # gone between its link and this read: no checkpoint is ever written unsigned
+        raise InputError(f"{path}, the secret that signs this run's checkpoints, vanished as it was made; start the "
+                         f"run again, or name another file with {SECRET_FILE}")
+    return secret
 
 
 def secret_id(secret: bytes) -> str:
@@ -130,7 +161,8 @@ def signature(text: bytes, secret: bytes) -> str:
 
 
 def signature_matches(text: bytes, secret: bytes, signed: object) -> bool:
-    return isinstance(signed, str) and hmac.compare_digest(signature(text, secret), signed)
+    # compare_digest takes ASCII text alone: anything else is not a signature this code made.
+    return isinstance(signed, str) and signed.isascii() and hmac.compare_digest(signature(text, secret), signed)
 
 
 def continue_advice(output_dir: str, free_space: bool = True) -> str:
