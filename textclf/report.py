@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                              "split as the run split it)")
     parser.add_argument("--no_baseline", action="store_true", help="leave the TF-IDF + linear baseline out")
     parser.add_argument("--batch_size", type=int, default=64, help="texts per batch and process")
+    parser.add_argument("--metric", nargs="+", action="extend", default=[],
+                        help="more scores, each an evaluate module, as train.py's --metric takes them; the run's own "
+                        "come with a checkpoint this user's run signed (a module is code: from a model folder or a "
+                        "checkpoint from elsewhere it runs only when named here)")
     add_loading_options(parser)
     args = parser.parse_args(argv)
     require_trained_model(args.model)
@@ -74,11 +78,22 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.metrics import classification_report
 from transformers.utils import logging as transformers_logging
 
+from textclf.checkpointing import POSITION, authorship, read_verified_position
 from textclf.data import fingerprint, load_splits, read_labelled
 from textclf.files import write_json
 from textclf.launch import scoped
 from textclf.models import inference_accelerator, label_names, load_trained, predict_logits, read_training, run_config
 from textclf.tasks import Task
+
+
+def metrics_to_run(model_path: str, run_metrics: list[str], given: list[str]) -> tuple[list[str], list[str]]:
+    """The evaluate modules the report scores with besides the task's: those given here, and the run's own where a
+    checkpoint this user's run signed names them; and the run's own left out. A module is code, and a model folder's
+    training.json or a checkpoint from elsewhere could name anyone's."""
+    own = (os.path.isfile(os.path.join(model_path, POSITION))
+           and authorship(model_path, read_verified_position(model_path)) is None)
+    left_out = [] if own else [name for name in run_metrics if name not in given]
+    return [*dict.fromkeys([*given, *(run_metrics if own else [])])], left_out
 
 
 def training_examples(cfg: TrainConfig, task: Task, names: list[str], model_path: str) -> Dataset:
@@ -187,13 +202,19 @@ def main(argv=None, args: Optional[argparse.Namespace] = None) -> None:
     args = args or parse_args(argv)
     transformers_logging.disable_progress_bar()
 
+    accelerator = inference_accelerator()
+    model, tokenizer = load_trained(args.model, args.allow_pickle, args.trust_remote_code)  # verified: then its config
     options = ("task", "text_column", "text_pair_column", "threshold", "label_column", "label_separator")
     cfg = run_config(args.model, {**{key: getattr(args, key) for key in options}, "data": args.train_data})
     task = Task.from_config(cfg)
-    accelerator = inference_accelerator()
-    # The run's scores, by the same evaluate modules: the task's, and those its --metric named (found first).
-    scores = task.scores_with(checked_on_main_process(accelerator, lambda: Task.find_metrics(cfg.metric)))
-    model, tokenizer = load_trained(args.model, args.allow_pickle, args.trust_remote_code)
+    # The run's scores, by the same evaluate modules: the task's, and those its --metric named that may run here.
+    metrics, left_out = metrics_to_run(args.model, cfg.metric, args.metric)
+    if left_out and accelerator.is_main_process:
+        names = " ".join(left_out)
+        print(f"warning: the run that made {args.model} also scored --metric {names}; nothing proves that this "
+              f"user's run wrote {args.model}, and a metric module is code, so it is not run: add --metric {names} "
+              "to score it too", file=sys.stderr)
+    scores = task.scores_with(checked_on_main_process(accelerator, lambda: Task.find_metrics(metrics)))
     names = label_names(model)
     table, _ = read_labelled(args.file, task, args.delimiter, args.encoding, names)  # an unknown label stops it here
     knows_training_data = bool(args.train_data or read_training(args.model))

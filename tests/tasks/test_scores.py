@@ -3,14 +3,15 @@ SciPy's on fixed predictions; and any module --metric names, added to the logs a
 kept by a resume, refused in one line before the data when it cannot be found offline (docs/tasks.md)."""
 
 import json
+import os
 import textwrap
 
 import pytest
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 
-from conftest import TINY, assert_refused, read_log, run_train, train_forked
-from textclf.cli import parse_config
+from conftest import TINY, another_user, assert_refused, read_log, run_train, train_forked
+from textclf.cli import parse_config, plan_run
 from textclf.errors import InputError
 from textclf.tasks.scores import FoundMetric, find_metric, load_metric
 from textclf.tasks.task import Task
@@ -137,6 +138,44 @@ def test_a_local_module_adds_its_keys_to_every_evaluation_and_a_resume_keeps_it(
     train_forked(["--resume", tmp_path / "run" / "step_2", "--output_dir", tmp_path / "resumed"], **launch)
     [resumed] = [row for row in read_log(tmp_path / "resumed") if "eval_samples" in row]
     assert resumed["eval_mean_prediction"] == evaluations[-1]["eval_mean_prediction"]
+
+
+@pytest.mark.slow
+def test_a_metric_named_by_a_run_nothing_proves_is_this_user_s_runs_only_when_named_again(tmp_path, args,
+                                                                                        mean_prediction, capsys):
+    """A metric module is code. report scores with the run's own where this user's run signed the checkpoint; from
+    an exported folder (whose training.json anyone could write) or a checkpoint from elsewhere it is named in one
+    line and not run, unless given here. A resume from elsewhere whose config names one is refused until the command
+    line names it too."""
+    from textclf import report
+
+    run = tmp_path / "run"
+    train_forked([*args, "--max_steps", 2, "--metric", mean_prediction, "--output_dir", run], config_file=None)
+
+    def scored(model, *more):
+        out = tmp_path / f"report_{len(list(tmp_path.glob('report_*')))}"
+        report.main(list(map(str, ["--model", model, "--output_dir", out, "--no_baseline", *more])))
+        return json.loads((out / "report.json").read_text())
+
+    assert "mean_prediction" in scored(run / "step_2")  # signed by this user's run
+    capsys.readouterr()
+    assert "mean_prediction" not in scored(run / "model")
+    assert (f"warning: the run that made {run / 'model'} also scored --metric {mean_prediction}; nothing proves"
+            in capsys.readouterr().err)
+    assert "mean_prediction" in scored(run / "model", "--metric", mean_prediction)
+
+    with another_user(tmp_path):
+        argv = ["--resume", str(run / "step_2"), "--output_dir", str(tmp_path / "resumed")]
+        with pytest.raises(InputError) as refused:
+            plan_run(parse_config(argv), argv)
+        assert str(refused.value) == (
+            f"{run / 'step_2'} was written elsewhere (it was signed with another secret than this user's "
+            f"({os.environ['TEXTCLF_SECRET_FILE']}): another user or machine wrote it), and its config names --metric "
+            f"{mean_prediction}, a module whose code the run would run; if you trust it, name it here too: --metric "
+            f"{mean_prediction}")
+        argv += ["--metric", str(mean_prediction)]
+        cfg, start = plan_run(parse_config(argv), argv)
+        assert cfg.metric == [str(mean_prediction)] and start.checkpoint == str(run / "step_2")
 
 
 @pytest.mark.slow

@@ -99,8 +99,20 @@ def read_resume(cfg: TrainConfig, refusals: list[str]) -> Optional[Resumed]:
     if launch_environment().rank == 0:  # who wrote it: judged where the secret is, which the main process has
         unproven = authorship(path, position)  # an edit ends the plan here
         unless_refused(refusals, refuse_pickle_unless_allowed, path, unproven, cfg.allow_pickle)
+        unless_refused(refusals, refuse_unnamed_metrics, path, unproven, position, cfg.metric)
     position = seen_from_here(position)
     return Resumed(path, position, config_of(path, position))
+
+
+def refuse_unnamed_metrics(checkpoint: str, unproven: Optional[str], position: dict, given: list[str]) -> None:
+    """A metric module is code: one that a checkpoint from elsewhere (`unproven`: why nothing proves this user's run
+    wrote it) names in its config runs only where this command line names it too (`given`)."""
+    named = (position.get("config") or {}).get("metric") or []
+    unnamed = [str(name) for name in (named if isinstance(named, list) else [named]) if name not in given]
+    if unproven is not None and unnamed:
+        names = " ".join(unnamed)
+        raise InputError(f"{checkpoint} was written elsewhere ({unproven}), and its config names --metric {names}, "
+                         f"a module whose code the run would run; if you trust it, name it here too: --metric {names}")
 
 
 def plan_start(cfg: TrainConfig, resumed: Optional[Resumed], refusals: list[str]) -> tuple[TrainConfig, Start]:
