@@ -90,6 +90,11 @@ def rank_main(rank: int, args: list[str], env: dict[str, str], output: str) -> N
         atexit._run_exitfuncs()
 
 
+def rank_output(path: Path) -> str:
+    """What a rank wrote to `path`; nothing where it was stopped (another rank failed first) before it opened it."""
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
+
 def run_forked(args, num_processes, config_file, launch_args=(), env=None, timeout=900) -> subprocess.CompletedProcess:
     """train.py with `args` on `num_processes` ranks as `config_file` (and `launch_args`, such as
     `--mixed_precision bf16`) sets them up, the ranks forked after the imports; with config_file None, one
@@ -125,8 +130,8 @@ def run_forked(args, num_processes, config_file, launch_args=(), env=None, timeo
         time.sleep(0.1)
     failed = failed or next((process for process in ranks if process.exitcode != 0), None)
     read = [[Path(f"{outputs}.{rank}{suffix}") for rank in range(num_processes)] for suffix in (".out", ".err")]
-    stdout, stderr = ("".join(path.read_text(encoding="utf-8", errors="replace") for path in paths) for paths in read)
-    tails = [path.read_text(encoding="utf-8", errors="replace").splitlines()[-8:] for path in read[1]]
+    stdout, stderr = ("".join(map(rank_output, paths)) for paths in read)
+    tails = [rank_output(path).splitlines()[-8:] for path in read[1]]
     shutil.rmtree(outputs.parent)
     if timed_out:  # where each rank was when it was stopped: the last lines of its output
         error = subprocess.TimeoutExpired(["forked train.py", *map(str, args)], timeout, stdout, stderr)
