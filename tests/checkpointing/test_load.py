@@ -472,7 +472,9 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, args, checkpoint_r
 def test_the_card_s_two_commands_resume_exactly_with_no_other_flag(tmp_path, args, zoo_file, launch):
     """`accelerate launch --config_file <zoo file> train.py`, then the same launch with `--resume <dir>/step_3`: the
     run's own checkpoint proves it wrote it (signed), DeepSpeed's pickles are read weights-only, and the resumed
-    steps log the uninterrupted run's losses bitwise. zero2 under the real launcher, the others forked."""
+    steps log the uninterrupted run's losses bitwise. zero2 under the real launcher, the others forked. DeepSpeed's
+    own layout is checked too: each rank's optimizer partition, under the tag folder, is among what a resume
+    requires."""
     config = REPO / "accelerate_configs" / zoo_file
     run = [*args, "--max_steps", 6, "--save_steps", 3, "--eval_steps", 2]
     launch([*run, "--output_dir", tmp_path / "full"], config_file=config)
@@ -480,17 +482,9 @@ def test_the_card_s_two_commands_resume_exactly_with_no_other_flag(tmp_path, arg
                      config_file=config)
     assert "warning:" not in resumed.stderr, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "full", tmp_path / "resumed", 3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("zoo_file", ["zero2.yaml", "zero3.yaml"])
-def test_deepspeed_s_own_layout_is_checked_too(tmp_path, args, zoo_file):
-    """Each rank's optimizer partition, under the tag folder, is among what a resume requires."""
-    config = REPO / "accelerate_configs" / zoo_file
-    run = [*args, "--max_steps", 12, "--save_steps", 6, "--eval_steps", 4]
-    train([*run, "--output_dir", tmp_path / "full"], config_file=config)
-    # DeepSpeed's own layout is checked too: each rank's optimizer partition, under the tag folder.
-    damaged = shutil.copytree(tmp_path / "full" / "step_6", tmp_path / "damaged")
+    if zoo_file == "cpu.yaml":
+        return
+    damaged = shutil.copytree(tmp_path / "full" / "step_3", tmp_path / "damaged")
     partition = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     (damaged / partition).unlink()
     refused = train([*run, "--output_dir", tmp_path / "refused", "--resume", damaged], config_file=config,

@@ -87,7 +87,10 @@ def test_without_cuda_the_report_shows_every_gpu_test_skipped_with_its_reason(tm
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the suite would really run (tests/journeys/test_gpu.py)")
     report = tmp_path / "report.md"
-    suite("--no_install", "--no_bench", "--budget", 300, "--report", report, "--work_dir", tmp_path / "work")
+    # No xdist workers: on a machine without CUDA each of the default 6 would import torch only to skip its tests
+    # (the plan's workers are test_the_plan_runs_the_gpu_tests_in_parallel_groups_then_the_named_benchmark's).
+    suite("--no_install", "--no_bench", "--budget", 300, "--workers", 0, "--report", report,
+          "--work_dir", tmp_path / "work")
     text = report.read_text(encoding="utf-8")
     gpu_tests = "tests/journeys/test_gpu.py"
     collected = subprocess.run([sys.executable, "-m", "pytest", "--full", "--collect-only", "-q", gpu_tests],
