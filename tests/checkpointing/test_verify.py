@@ -342,6 +342,15 @@ def test_every_loader_refuses_a_file_the_checkpoint_did_not_record_or_a_record_o
                 load_trained(str(checkpoint))
         assert one_line(refused).startswith(f"cannot load checkpoint {checkpoint}: {expected}"), what
         assert one_line(refused).endswith("; use another checkpoint"), what
+    # A folder replaced by a link to a copy with one file more: the walk does not follow the link, the check does.
+    linked = shutil.copytree(step_2, tmp_path / "a_linked_folder")
+    elsewhere = shutil.move(linked / "tokenizer", tmp_path / "tokenizer_elsewhere")
+    (elsewhere / "added_tokens.json").write_text("{}")
+    (linked / "tokenizer").symlink_to(elsewhere)
+    with another_user(tmp_path), pytest.raises(InputError) as refused:
+        load_trained(str(linked))
+    assert str(refused.value).startswith(f"cannot load checkpoint {linked}: tokenizer/"), str(refused.value)
+    assert all("is reached through a link" in line for line in str(refused.value).splitlines())
 
 
 @pytest.mark.slow

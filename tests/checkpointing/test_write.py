@@ -21,6 +21,7 @@ from textclf.checkpointing.write import (
     read_secret,
     sealed,
     sealed_checkpoint,
+    secret_file_problem,
     secret_path,
 )
 from textclf.errors import InputError
@@ -91,6 +92,8 @@ def test_a_secret_that_is_not_this_user_s_alone_is_refused_and_nothing_is_signed
         "a folder": (tmp_path / "a_folder", "is not a regular file"),
     }
     (tmp_path / "a_folder").mkdir()
+    os.mkfifo(tmp_path / "a_fifo")  # opened as a file, it would wait for a writer forever
+    refused["a FIFO"] = (tmp_path / "a_fifo", "is not a regular file")
     open_to_others = tmp_path / "open"
     open_to_others.write_bytes(os.urandom(32))
     open_to_others.chmod(0o644)
@@ -103,9 +106,21 @@ def test_a_secret_that_is_not_this_user_s_alone_is_refused_and_nothing_is_signed
     assert not (tmp_path / "nowhere").exists()  # the dangling link was not followed to make a secret there
     monkeypatch.setenv(SECRET_FILE, str(planted))
     assert read_secret() == planted.read_bytes()
-    uid = os.getuid()
-    monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # the same file, read by another user
-    with pytest.raises(InputError, match=f"belongs to another user \\(uid {uid}\\)"):
+    other = os.getuid() + 1000  # (mode, inode, device, links, uid, gid, size, times): a file of another user's
+    assert secret_file_problem(os.stat_result((0o100600, 1, 1, 1, other, 0, 32, 0, 0, 0))) == (
+        f"belongs to another user (uid {other})")
+    assert secret_file_problem(os.stat_result((0o100600, 1, 1, 1, 0, 0, 32, 0, 0, 0))) is None  # root's, as ssh
+
+
+def test_a_file_system_that_does_not_keep_the_secret_private_is_named_as_such(tmp_path, monkeypatch):
+    """A mount that shows every file with one owner and mode (CIFS, a Windows drive): the secret just made 0600 reads
+    back open to others; the line says where to put it instead, not to delete it (a new one would fare the same)."""
+    from textclf.checkpointing import write
+
+    monkeypatch.setattr(write, "secret_file_problem", lambda stat: "has mode 755, open to others")
+    monkeypatch.setenv(SECRET_FILE, str(tmp_path / "mounted" / "secret"))
+    with pytest.raises(InputError, match=f"does not stay private on its file system .* set {SECRET_FILE} to a file "
+                                         "on a local disk"):
         own_secret()
 
 

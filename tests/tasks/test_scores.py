@@ -172,7 +172,7 @@ def test_a_metric_named_by_a_run_nothing_proves_is_this_user_s_runs_only_when_na
             f"{run / 'step_2'} was written elsewhere (it was signed with another secret than this user's "
             f"({os.environ['TEXTCLF_SECRET_FILE']}): another user or machine wrote it), and its config names --metric "
             f"{mean_prediction}, a module whose code the run would run; if you trust it, name it here too: --metric "
-            f"{mean_prediction}")
+            f"{mean_prediction} (or give the --metric modules to run instead)")
         argv += ["--metric", str(mean_prediction)]
         cfg, start = plan_run(parse_config(argv), argv)
         assert cfg.metric == [str(mean_prediction)] and start.checkpoint == str(run / "step_2")

@@ -105,14 +105,16 @@ def read_resume(cfg: TrainConfig, refusals: list[str]) -> Optional[Resumed]:
 
 
 def refuse_unnamed_metrics(checkpoint: str, unproven: Optional[str], position: dict, given: list[str]) -> None:
-    """A metric module is code: one that a checkpoint from elsewhere (`unproven`: why nothing proves this user's run
-    wrote it) names in its config runs only where this command line names it too (`given`)."""
+    """A metric module is code: those that a checkpoint from elsewhere (`unproven`: why nothing proves this user's run
+    wrote it) names in its config run only where this command line names them (`given`, which replaces them)."""
+    if unproven is None or given:  # a --metric given here replaces the checkpoint's list
+        return
     named = (position.get("config") or {}).get("metric") or []
-    unnamed = [str(name) for name in (named if isinstance(named, list) else [named]) if name not in given]
-    if unproven is not None and unnamed:
-        names = " ".join(unnamed)
+    if named:
+        names = " ".join(map(str, named if isinstance(named, list) else [named]))
         raise InputError(f"{checkpoint} was written elsewhere ({unproven}), and its config names --metric {names}, "
-                         f"a module whose code the run would run; if you trust it, name it here too: --metric {names}")
+                         "a module whose code the run would run; if you trust it, name it here too: --metric "
+                         f"{names} (or give the --metric modules to run instead)")
 
 
 def plan_start(cfg: TrainConfig, resumed: Optional[Resumed], refusals: list[str]) -> tuple[TrainConfig, Start]:

@@ -182,10 +182,14 @@ def recorded_file_problems(checkpoint: str, position: dict, names: Optional[Iter
 def recorded_file_size(checkpoint: str, name: str) -> tuple[Optional[int], Optional[str]]:
     """(the size of the file `name` records, None) where it is a regular file inside `checkpoint`; else (None, the
     line that says why not)."""
-    if os.path.isabs(name) or name != os.path.normpath(name) or name.startswith(".."):
+    if os.path.isabs(name) or name != os.path.normpath(name) or name == ".." or name.startswith("../"):
         return None, f"{name} is not a path inside the checkpoint, as a recorded file's always is"
+    path = os.path.join(checkpoint, name)
+    if os.path.realpath(os.path.dirname(path)) != os.path.join(os.path.realpath(checkpoint),
+                                                                os.path.dirname(name)).rstrip(os.sep):
+        return None, f"{name} is reached through a link, not a folder of the checkpoint as a run saves it"
     try:
-        status = os.lstat(os.path.join(checkpoint, name))
+        status = os.lstat(path)
     except FileNotFoundError:
         return None, f"{name} is missing"
     except OSError as e:

@@ -78,13 +78,18 @@ def secret_path() -> str:
     return os.path.join(config, "textclf", "checkpoint_secret")
 
 
+class SecretNotPrivate(InputError):
+    """The secret's file is there, and not this user's alone."""
+
+
 def read_secret() -> Optional[bytes]:
     """This user's secret; None where there is none yet. One that cannot be trusted to be theirs alone (a link, not a
     regular file, another user's, readable by others), or cannot be used, is one line."""
     path = secret_path()
     try:
-        # O_NOFOLLOW: a link planted at the path (dangling or not) is refused, never followed or replaced.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NOFOLLOW: a link planted at the path (dangling or not) is refused, never followed or replaced;
+        # O_NONBLOCK: a FIFO planted there is refused below, not waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
@@ -94,7 +99,7 @@ def read_secret() -> Optional[bytes]:
     try:
         problem = secret_file_problem(os.fstat(fd))
         if problem:
-            raise InputError(f"{path}, the secret that signs this user's checkpoints, {problem}: anyone who can "
+            raise SecretNotPrivate(f"{path}, the secret that signs this user's checkpoints, {problem}: anyone who can "
                              "write or read it could sign checkpoints as this user; delete it (a run makes a new "
                              "one; checkpoints signed with the old one then count as written elsewhere), or name "
                              f"another file with {SECRET_FILE}")
@@ -113,7 +118,7 @@ def secret_file_problem(stat: os.stat_result) -> Optional[str]:
     """What makes a secret's file not this user's alone, as ssh judges a private key's; None where it is."""
     if not S_ISREG(stat.st_mode):
         return "is not a regular file"
-    if stat.st_uid != os.getuid():
+    if stat.st_uid not in (os.getuid(), 0):  # root's: as ssh, for root can read it anyway
         return f"belongs to another user (uid {stat.st_uid})"
     if stat.st_mode & 0o077:
         return f"has mode {S_IMODE(stat.st_mode):o}, open to others (chmod 600 it if it is yours)"
@@ -143,7 +148,14 @@ def own_secret() -> bytes:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-    secret = read_secret()
+    try:
+        secret = read_secret()
+    except SecretNotPrivate:  # made 0600 and this user's, read back otherwise
+        if os.path.isfile(path) and not os.path.islink(path):
+            raise InputError(f"{path}, the secret made to sign this run's checkpoints, does not stay private on its "
+                             "file system (a network or Windows mount that shows every file with one owner and "
+                             f"mode); set {SECRET_FILE} to a file on a local disk (docs/checkpoints.md)") from None
+        raise
     if secret is None:  # gone between its link and this read: no checkpoint is ever written unsigned
         raise InputError(f"{path}, the secret that signs this run's checkpoints, vanished as it was made; start the "
                          f"run again, or name another file with {SECRET_FILE}")
