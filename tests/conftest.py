@@ -527,6 +527,17 @@ def four_step_run(tmp_path_factory, reviews_csv, cache_dir) -> Path:
 
 # --- Shared by the tests of several modules ---------------------------------------------------------------------
 
+def assert_batched_as_alone(model, tokenizer, texts) -> None:
+    """predict_logits in batches of 8, sorted by length and padded, gives each text the logits it gets alone."""
+    import torch
+
+    from textclf.models.folder import predict_logits
+
+    batched = predict_logits(model, tokenizer, texts, batch_size=8)
+    one_by_one = torch.cat([predict_logits(model, tokenizer, [text], batch_size=1) for text in texts])
+    assert torch.allclose(batched, one_by_one, atol=1e-5)
+
+
 def one_line(raised) -> str:
     """The one line of a pytest.raises' InputError (asserted one)."""
     lines = str(raised.value).splitlines()

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import (
     OFFLINE,
     REPO,
+    assert_batched_as_alone,
     assert_refused,
     code_shipping_folder,
     read_csv,
@@ -101,9 +101,7 @@ def test_sorted_batches_come_back_in_input_order(tiny_model):
     model, tokenizer = load_trained(str(tiny_model))
     rng = random.Random(0)
     texts = ["好" * rng.randint(1, 40) + "吃" * rng.randint(0, 5) + "差" * rng.randint(0, 3) for _ in range(37)]
-    batched = predict_logits(model, tokenizer, texts, batch_size=8)
-    one_by_one = torch.cat([predict_logits(model, tokenizer, [text], batch_size=1) for text in texts])
-    assert torch.allclose(batched, one_by_one, atol=1e-5)
+    assert_batched_as_alone(model, tokenizer, texts)
 
 
 def test_a_file_without_the_text_column(tiny_model, tmp_path):

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import to_train, untouched
+from conftest import assert_batched_as_alone, to_train, untouched
 from families import FAMILIES
 from textclf.models.build import make_model, training_config
-from textclf.models.folder import predict_logits
 from textclf.models.tokenizer import get_tokenizer
 
 
@@ -40,9 +39,7 @@ def test_each_text_gets_the_logits_it_gets_alone_in_a_padded_batch(family, famil
     assert model.config.pad_token_id == tokenizer.pad_token_id is not None
     rng = random.Random(0)
     texts = ["好" * rng.randint(1, 25) + "吃" * rng.randint(0, 5) + " ok" * rng.randint(0, 2) for _ in range(21)]
-    batched = predict_logits(model, tokenizer, texts, batch_size=8)
-    one_by_one = torch.cat([predict_logits(model, tokenizer, [text], batch_size=1) for text in texts])
-    assert torch.allclose(batched, one_by_one, atol=1e-5)
+    assert_batched_as_alone(model, tokenizer, texts)
 
 
 def test_a_pickle_only_model_folder_is_one_line_and_runs_nothing(tmp_path, tiny_model):
